@@ -110,11 +110,13 @@ def training_step(
     *,
     on_phase: Callable[[str], None] | None = None,
     loss_scale: float | None = None,
+    optimizer_step: Callable[[], None] | None = None,
 ) -> None:
     """One full training step. ``on_phase`` is told "forward", "backward", "optimizer", "zero_grad".
 
     ``loss_scale`` stands for a GradScaler's scale (``16-mixed``): the loss is multiplied by it and the
-    gradients divided by it before the step, as ``GradScaler.unscale_`` does.
+    gradients divided by it before the step, as ``GradScaler.unscale_`` does. ``optimizer_step``
+    replaces ``optimizer.step()`` (the estimator uses it to trace each optimizer code path).
     """
     notify = on_phase or (lambda _phase: None)
     notify("forward")
@@ -131,7 +133,7 @@ def training_step(
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-    optimizer.step()
+    (optimizer_step or optimizer.step)()
     notify("zero_grad")
     optimizer.zero_grad(set_to_none=True)
     notify("done")

@@ -1,0 +1,416 @@
+"""Pre-flight memory estimate of one full training step, without a GPU and without model-sized memory.
+
+:func:`estimate_memory` copies the model and optimizer onto fake tensors (shapes, dtypes and strides,
+no data), brings the optimizer to its steady state, then runs forward, loss, backward, optimizer step
+and ``zero_grad`` while a :class:`~resource_guard._tracer.StorageTracker` counts live storage bytes
+by category. The caller's model, optimizer, batch and RNG state are left untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from . import _kernels
+from ._tracer import CATEGORIES, PeakRecord, StorageTracker
+from .errors import ConfigurationError, ResourceGuardWarning
+from .precision import PrecisionSpec, parse_precision
+from .step import LossFn, batch_size_of, map_tensors, training_step
+
+if TYPE_CHECKING:
+    from .allocator import DeviceFit
+    from .devices import DeviceSpec
+
+__all__ = ["CATEGORIES", "MemoryEstimate", "estimate_memory", "OptimizerArg"]
+
+OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+_FOREACH, _FOR_LOOP, _AS_SET = "foreach", "for-loop", "as-set"
+_TIMELINE_POINTS = 2000
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Memory of one steady-state training step.
+
+    Attributes:
+        peak_bytes: peak live tensor bytes in the step on the target device kind (what
+            ``torch.cuda.max_memory_allocated`` reports on a GPU, before allocator rounding).
+        breakdown: bytes by category at the peak (keys: ``CATEGORIES``).
+        method: ``"trace"`` or ``"analytic"`` (then ``warnings`` says why; the figure is conservative).
+        precision: the Lightning precision name the step was estimated under.
+        device_kind: the kind of device whose behaviour was assumed (``"cuda"``, ``"cpu"``, ...).
+        peak_phase: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"zero_grad"``.
+        peak_op: the operator at which the peak was reached.
+        batch_size: the batch's leading dimension, when it could be told.
+        parameter_count / trainable_parameter_count: distinct parameters (tied weights once).
+        persistent_bytes: bytes that stay between steps (parameters, buffers, optimizer state).
+        phase_peak_bytes: the peak of each phase, and of each optimizer code path traced.
+        warnings: what was assumed or could not be traced.
+        timeline: ``(phase, bytes by category)`` over the step, at most ~2000 points.
+        allocations: the step's allocation events ``(id, +bytes | -bytes)`` on the target's code path,
+            for the caching-allocator model of :meth:`for_device`.
+        trace_seconds: time the estimate took.
+    """
+
+    peak_bytes: int
+    breakdown: Mapping[str, int]
+    method: str
+    precision: str
+    device_kind: str
+    peak_phase: str | None = None
+    peak_op: str | None = None
+    batch_size: int | None = None
+    parameter_count: int = 0
+    trainable_parameter_count: int = 0
+    persistent_bytes: int = 0
+    phase_peak_bytes: Mapping[str, int] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    timeline: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
+    allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+    trace_seconds: float = 0.0
+
+    def for_device(
+        self, device: str | DeviceSpec = "auto", *, headroom: float = 0.1, catalog: Any = None
+    ) -> DeviceFit:
+        """What ``device`` would show for this step: allocator rounding, context, workspace, fit.
+
+        Example:
+            >>> est = estimate_memory(nn.Linear(4, 2), torch.optim.SGD, torch.randn(8, 4),
+            ...                       lambda m, b: m(b).sum())
+            >>> est.for_device("a100-40gb").fits
+            True
+        """
+        from .allocator import device_fit
+
+        return device_fit(self, device, headroom=headroom, catalog=catalog)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (no timeline or allocation events)."""
+        return {
+            "peak_bytes": self.peak_bytes,
+            "breakdown": dict(self.breakdown),
+            "method": self.method,
+            "precision": self.precision,
+            "device_kind": self.device_kind,
+            "peak_phase": self.peak_phase,
+            "peak_op": self.peak_op,
+            "batch_size": self.batch_size,
+            "parameter_count": self.parameter_count,
+            "trainable_parameter_count": self.trainable_parameter_count,
+            "persistent_bytes": self.persistent_bytes,
+            "phase_peak_bytes": dict(self.phase_peak_bytes),
+            "warnings": list(self.warnings),
+            "trace_seconds": round(self.trace_seconds, 3),
+        }
+
+
+# -- input checks -----------------------------------------------------------------------------------
+def _check_inputs(model: Any, optimizer: Any, batch: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(
+            f"`estimate_memory(model=...)` must be a torch.nn.Module, got {type(model).__name__}."
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        own = {id(p) for p in model.parameters()}
+        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+        if foreign:
+            shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
+            raise ConfigurationError(
+                f"the optimizer holds {len(foreign)} parameter(s) that are not the model's (shapes {shapes}); "
+                "build it over `model.parameters()`, or pass a factory `lambda params: torch.optim.AdamW(params)`."
+            )
+    elif not callable(optimizer):
+        raise ConfigurationError(
+            "`optimizer` must be a torch.optim.Optimizer over the model's parameters or a factory "
+            f"`params -> Optimizer`, got {type(optimizer).__name__}."
+        )
+    if batch is None:
+        raise ConfigurationError("`batch` is None: pass one sample batch as the training loop receives it.")
+
+
+def _default_kind(model: nn.Module) -> str:
+    for p in model.parameters():
+        return "cuda" if p.device.type == "meta" else p.device.type
+    return "cpu"
+
+
+# -- fake copies -----------------------------------------------------------------------------------
+def _fake_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device="cpu")
+
+
+class _FakeStep:
+    """The fake model, optimizer and batch of one estimate, and the step run over them."""
+
+    def __init__(
+        self, model: nn.Module, optimizer: OptimizerArg, batch: Any, spec: PrecisionSpec, tracker: StorageTracker
+    ) -> None:
+        self.spec = spec
+        cast = spec.param_dtype if spec.param_dtype != torch.float32 else None
+
+        def dtype_of(t: torch.Tensor) -> torch.dtype:
+            return cast if cast is not None and t.is_floating_point() else t.dtype
+
+        memo: dict[int, Any] = {}
+        self.params: list[nn.Parameter] = []
+        for p in model.parameters():
+            fp = nn.Parameter(_fake_like(p, dtype_of(p)), requires_grad=p.requires_grad)
+            memo[id(p)] = fp
+            self.params.append(fp)
+        self.buffers: list[torch.Tensor] = []
+        for b in model.buffers():
+            memo[id(b)] = fb = _fake_like(b, dtype_of(b))
+            self.buffers.append(fb)
+        self.model = copy.deepcopy(model, memo)
+        self.model.train()
+
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for st in optimizer.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor) and v.numel() > 1:
+                        memo[id(v)] = _fake_like(v, v.dtype)
+            self.optimizer = copy.deepcopy(optimizer, memo)
+            self.optimizer.__dict__.pop("step", None)  # an LR scheduler's wrapper of the original's step
+        else:
+            self.optimizer = optimizer([p for p in self.params if p.requires_grad])
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise ConfigurationError(
+                    f"the optimizer factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer."
+                )
+
+        def fake_input(t: torch.Tensor) -> torch.Tensor:
+            dtype = cast if cast is not None and t.is_floating_point() else t.dtype
+            fake = _fake_like(t, dtype)
+            if dtype == t.dtype:
+                tracker.shadow(fake, t)
+            return fake
+
+        self.batch = map_tensors(fake_input, batch)
+        for p in self.params:
+            tracker.track(p, "parameters")
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda q: tracker.track(q.grad, "gradients"))
+        for b in self.buffers:
+            tracker.track(b, "other")
+
+    def optimizer_variants(self, device_kind: str) -> dict[str, bool | None]:
+        groups = self.optimizer.param_groups
+        if all("foreach" in g and g.get("foreach") is None and not g.get("fused") for g in groups):
+            return {_FOR_LOOP: False, _FOREACH: True}
+        return {_AS_SET: None}
+
+    def warm_up_optimizer(self) -> None:
+        """Create the optimizer state a steady-state step starts with."""
+        opt = self.optimizer
+        trainable = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        if trainable and all(p in opt.state and opt.state[p] for p in trainable):
+            return
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _phase_of(key: str) -> str:
+    return key.split(":")[0]
+
+
+def _select(tracker: StorageTracker, variant: str) -> tuple[PeakRecord, dict[str, int]]:
+    phase_peaks: dict[str, int] = {}
+    best: PeakRecord | None = None
+    for key, record in tracker.peaks.items():
+        if key.startswith("optimizer:") and key != f"optimizer:{variant}":
+            phase_peaks[key] = record.bytes
+            continue
+        phase = _phase_of(key)
+        phase_peaks[phase] = max(phase_peaks.get(phase, 0), record.bytes)
+        if key.startswith("optimizer:"):
+            phase_peaks[key] = record.bytes
+        if best is None or record.bytes > best.bytes:
+            best = record
+    assert best is not None  # the forward phase is always observed
+    return best, phase_peaks
+
+
+def _events_for(tracker: StorageTracker, spans: list[tuple[str, int, int]], variant: str) -> list[tuple[int, int]]:
+    skip = [(a, b) for key, a, b in spans if key.startswith("optimizer:") and key != f"optimizer:{variant}"]
+    if not skip:
+        return list(tracker.events)
+    out = []
+    for i, ev in enumerate(tracker.events):
+        if not any(a <= i < b for a, b in skip):
+            out.append(ev)
+    return out
+
+
+def _downsample(timeline: list[Any], phases_keep: Callable[[str], bool]) -> tuple[Any, ...]:
+    kept = [pt for pt in timeline if phases_keep(pt[0])]
+    if len(kept) <= _TIMELINE_POINTS:
+        return tuple(kept)
+    stride = len(kept) / _TIMELINE_POINTS
+    return tuple(kept[int(i * stride)] for i in range(_TIMELINE_POINTS))
+
+
+def _trace(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    batch: Any,
+    loss_fn: LossFn | None,
+    spec: PrecisionSpec,
+    device_kind: str,
+) -> MemoryEstimate:
+    started = time.perf_counter()
+    tracker = StorageTracker(_kernels.scratch_bytes)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    spans: list[tuple[str, int, int]] = []
+    with fake_mode, tracker:
+        world = _FakeStep(model, optimizer, batch, spec, tracker)
+        world.warm_up_optimizer()
+        for st in world.optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    tracker.track(v, "optimizer_state")
+        for t in _iter_fake(world.batch):
+            tracker.track(t, "inputs")
+        variants = world.optimizer_variants(device_kind)
+        scale = 2.0**16 if spec.loss_scaling else None
+        current: list[Any] = ["forward", 0]
+
+        def on_phase(phase: str) -> None:
+            spans.append((current[0], current[1], len(tracker.events)))
+            current[:] = [phase, len(tracker.events)]
+            tracker.start_phase(phase)
+
+        def optimizer_step() -> None:
+            for name, foreach in variants.items():
+                if name != _AS_SET:
+                    for g in world.optimizer.param_groups:
+                        g["foreach"] = foreach
+                on_phase(f"optimizer:{name}")
+                world.optimizer.step()
+
+        tracker.recording = True
+        tracker.start_phase("forward")
+        training_step(
+            world.model,
+            world.optimizer,
+            world.batch,
+            loss_fn,
+            spec,
+            "cpu",
+            on_phase=lambda ph: None if ph in ("forward", "optimizer") else on_phase(ph),
+            loss_scale=scale,
+            optimizer_step=optimizer_step,
+        )
+        spans.append((current[0], current[1], len(tracker.events)))
+        tracker.detach()
+
+    variant = _AS_SET if _AS_SET in variants else (_FOREACH if device_kind in ("cuda", "rocm") else _FOR_LOOP)
+    best, phase_peaks = _select(tracker, variant)
+    params = {id(p): p for p in model.parameters()}.values()
+    notes = [
+        f"`{name}` depends on tensor values; assumed {'every element' if name != '_local_scalar_dense' else '0'}"
+        f" ({count}x)"
+        for name, count in tracker.assumptions.items()
+    ]
+    keep = (lambda ph: not ph.startswith("optimizer:") or ph == f"optimizer:{variant}")  # noqa: E731
+    persistent = sum(best.breakdown[c] for c in ("parameters", "optimizer_state", "other"))
+    return MemoryEstimate(
+        peak_bytes=best.bytes,
+        breakdown=best.breakdown,
+        method="trace",
+        precision=spec.name,
+        device_kind=device_kind,
+        peak_phase=_phase_of(best.phase),
+        peak_op=best.op,
+        batch_size=batch_size_of(batch),
+        parameter_count=sum(p.numel() for p in params),
+        trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad),
+        persistent_bytes=persistent,
+        phase_peak_bytes=phase_peaks,
+        warnings=tuple(notes),
+        timeline=_downsample(tracker.timeline, keep),
+        allocations=tuple(_events_for(tracker, spans, variant)),
+        trace_seconds=time.perf_counter() - started,
+    )
+
+
+def _iter_fake(batch: Any) -> list[torch.Tensor]:
+    from .step import iter_tensors
+
+    return iter_tensors(batch)
+
+
+def estimate_memory(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    precision: str = "32-true",
+    device: str | None = None,
+) -> MemoryEstimate:
+    """Estimate the memory of one steady-state training step.
+
+    Args:
+        model: the model, on any device including ``meta`` (nothing of its size is allocated).
+        optimizer: an optimizer over ``model``'s parameters, or a factory ``params -> Optimizer``.
+        batch: one sample batch, as the training loop receives it.
+        loss_fn: ``(model, batch) -> loss or output``; default: ``model(**batch)`` for a mapping,
+            ``model(*batch)`` for a tuple/list, else ``model(batch)``, and the loss is the output if
+            it is a scalar, else ``output.loss`` / ``output["loss"]``.
+        precision: a Lightning precision name: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``,
+            ``"16-true"``, ``"bf16-true"``.
+        device: the kind of device the run will use (``"cuda"``, ``"cpu"``, ``"mps"``) or a catalog
+            name; where PyTorch's behaviour depends on the device (the optimizer's foreach path), the
+            target's behaviour counts. Default: the model's device (``meta`` means ``cuda``).
+
+    Returns:
+        A :class:`MemoryEstimate`.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+        >>> est = estimate_memory(model, torch.optim.AdamW(model.parameters()), torch.randn(32, 64),
+        ...                       lambda m, b: m(b).square().mean(), device="cpu")
+        >>> est.breakdown["optimizer_state"] >= 2 * est.breakdown["parameters"]
+        True
+    """
+    _check_inputs(model, optimizer, batch)
+    spec = parse_precision(precision)
+    kind = _device_kind(device) if device is not None else _default_kind(model)
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        try:
+            return _trace(model, optimizer, batch, loss_fn, spec, kind)
+        except ConfigurationError:
+            raise
+        except Exception as exc:  # the trace could not run this model: fall back, conservatively
+            from .analytic import analytic_estimate
+
+            reason = f"tracing failed ({type(exc).__name__}: {_first_line(exc)}); analytic estimate, conservative"
+            warnings.warn(reason, ResourceGuardWarning, stacklevel=2)
+            return analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def _device_kind(device: Any) -> str:
+    if hasattr(device, "kind"):
+        return str(device.kind)
+    name = str(device).lower()
+    for kind in ("cuda", "cpu", "mps", "rocm"):
+        if name == kind or name.startswith(kind + ":"):
+            return kind
+    from .devices import resolve_device
+
+    return resolve_device(name).kind
