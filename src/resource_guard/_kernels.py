@@ -1,17 +1,130 @@
-"""Scratch memory that real kernels allocate and free inside one operator.
+"""What real kernels allocate beyond what their fake (meta) versions show.
 
-On fake tensors only an operator's outputs are seen; the real CPU kernel may allocate working
-buffers that live only while it runs. Each rule here was measured against torch.profiler's memory
-records of the real CPU kernel (see benchmarks/estimate_accuracy.py).
+On fake tensors only an operator's declared outputs are seen. A few real CPU kernels do more: oneDNN
+convolutions reorder their inputs into blocked layouts, batch-norm backward keeps an input-sized
+buffer, and oneDNN's LSTM returns a workspace whose meta kernel says it is empty. For these
+operators the real kernel is *probed*: run once on real zero tensors of the same shapes (one
+operator's tensors, never the model's), its allocations read from torch.profiler's memory records,
+and the answer cached by shape. Probes are skipped above ``PROBE_BUDGET_BYTES``; then a rule of thumb
+measured on the same kernels stands in (scaled by the operator's tensor bytes).
+
+These CPU kernels also stand in for the target's kernels (cuDNN keeps comparable workspaces); the
+allocator model in :mod:`resource_guard.allocator` adds what only CUDA has.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["scratch_bytes"]
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["KernelExtra", "kernel_extra", "PROBE_BUDGET_BYTES"]
+
+PROBE_BUDGET_BYTES = 512 * 2**20
+_aten = torch.ops.aten
 
 
-def scratch_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    """Bytes the real kernel of ``func`` allocates transiently for these arguments."""
-    return 0
+@dataclass(frozen=True)
+class KernelExtra:
+    """``scratch_bytes`` freed inside the operator; ``output_bytes`` per flattened output tensor."""
+
+    scratch_bytes: int
+    output_bytes: tuple[int | None, ...] = ()
+
+
+def _probed_ops() -> dict[Any, float]:
+    """Operators to probe, with the rule-of-thumb scratch (× the largest tensor) used above budget."""
+    ops: dict[Any, float] = {
+        _aten.convolution.default: 1.0,
+        _aten.convolution_backward.default: 2.0,
+        _aten.native_batch_norm_backward.default: 1.0,
+    }
+    for name, factor in (("mkldnn_rnn_layer", 16.0), ("mkldnn_rnn_layer_backward", 16.0)):
+        op = getattr(_aten, name, None)
+        if op is not None:
+            ops[op.default] = factor
+    return ops
+
+
+_PROBED = _probed_ops()
+
+
+def _bytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _signature(func: Any, args: tuple, kwargs: dict) -> tuple:
+    def key(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return ("T", tuple(a.shape), tuple(a.stride()), a.dtype, a.requires_grad)
+        return a
+
+    flat, spec = tree_flatten((args, kwargs))
+    return (func, str(spec), tuple(key(a) for a in flat))
+
+
+_CACHE: dict[tuple, KernelExtra] = {}
+
+
+def _probe(func: Any, args: tuple, kwargs: dict, size_of: Callable[[torch.Tensor], int | None]) -> KernelExtra:
+    from .measure import allocation_deltas
+
+    def real(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        tracked = size_of(a)
+        if a.dim() == 1 and tracked is not None and tracked > _bytes_of(a):  # a workspace the fake kept empty
+            return torch.zeros(tracked // a.element_size(), dtype=a.dtype)
+        return torch.zeros_like(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cpu"))
+
+    with _disable_current_modes():
+        real_args, real_kwargs = tree_map(real, (args, kwargs))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((real_args, real_kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = func(*real_args, **real_kwargs)
+        running = peak = 0
+        for _, size in allocation_deltas(prof):
+            running += size
+            peak = max(peak, running)
+        outputs: list[int | None] = []
+        kept = 0
+        seen: set[int] = set()
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            outputs.append(int(st.nbytes()))
+            if id(st) not in inputs and id(st) not in seen:
+                seen.add(id(st))
+                kept += int(st.nbytes())
+    return KernelExtra(max(0, peak - kept), tuple(outputs))
+
+
+def kernel_extra(
+    func: Any, args: tuple, kwargs: dict, out: Any, size_of: Callable[[torch.Tensor], int | None]
+) -> KernelExtra | None:
+    """Scratch and true output sizes of the real kernel of ``func``, or ``None`` if it has none.
+
+    ``size_of`` tells the tracked storage size of an input (workspaces whose fake is empty).
+    """
+    factor = _PROBED.get(func)
+    if factor is None:
+        return None
+    tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+    largest = max((_bytes_of(t) for t in tensors), default=0)
+    if sum(_bytes_of(t) for t in tensors) * 2 > PROBE_BUDGET_BYTES:
+        return KernelExtra(int(largest * factor))
+    key = (_signature(func, args, kwargs), tuple(size_of(t) for t in tensors))
+    found = _CACHE.get(key)
+    if found is None:
+        try:
+            found = _probe(func, args, kwargs, size_of)
+        except Exception:  # a probe is a refinement; without it the rule of thumb stands
+            found = KernelExtra(int(largest * factor))
+        _CACHE[key] = found
+    return found

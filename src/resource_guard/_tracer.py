@@ -81,19 +81,19 @@ class StorageTracker(TorchDispatchMode):
     """Counts live storage bytes by category while a step runs on fake tensors.
 
     Args:
-        kernel_scratch: ``(func, args, kwargs, out) -> bytes`` of scratch memory the real kernel
-            allocates and frees inside the operator (invisible on fake tensors).
+        kernel_extra: ``(func, args, kwargs, out) -> KernelExtra | None``: scratch memory the real
+            kernel allocates and frees inside the operator, and its true output sizes.
         record_timeline: keep the live total by category after every operator.
     """
 
     def __init__(
         self,
-        kernel_scratch: Callable[[Any, tuple, dict, Any], int] | None = None,
+        kernel_extra: Callable[[Any, tuple, dict, Any], Any] | None = None,
         *,
         record_timeline: bool = True,
     ) -> None:
         super().__init__()
-        self._kernel_scratch = kernel_scratch
+        self._kernel_extra = kernel_extra
         self._live: dict[int, list[Any]] = {}  # id(storage) -> [nbytes, category, uid]
         self._uids = itertools.count()
         self.totals = dict.fromkeys(CATEGORIES, 0)
@@ -109,8 +109,12 @@ class StorageTracker(TorchDispatchMode):
         self.record_timeline = record_timeline
 
     # -- bookkeeping -------------------------------------------------------------------------------
-    def track(self, t: torch.Tensor, category: str | None = None) -> None:
-        """Register ``t``'s storage (if new) under ``category`` (default: the phase's category)."""
+    def track(self, t: torch.Tensor, category: str | None = None, *, nbytes: int | None = None) -> None:
+        """Register ``t``'s storage (if new) under ``category`` (default: the phase's category).
+
+        ``nbytes`` overrides the storage's size where the real kernel's output is larger than the
+        fake one (see ``_kernels``).
+        """
         st = _storage(t)
         if st is None:
             return
@@ -122,7 +126,7 @@ class StorageTracker(TorchDispatchMode):
                 self.totals[category] += entry[0]
                 entry[1] = category
             return
-        nbytes = int(st.nbytes())
+        nbytes = int(st.nbytes()) if nbytes is None else max(nbytes, int(st.nbytes()))
         cat = category or _PHASE_CATEGORY.get(self.phase.split(":")[0], "other")
         uid = next(self._uids)
         self._live[key] = [nbytes, cat, uid]
@@ -131,6 +135,12 @@ class StorageTracker(TorchDispatchMode):
         if self.recording:
             self.events.append((uid, nbytes))
         weakref.finalize(st, self._free, key, uid)
+
+    def size_of(self, t: torch.Tensor) -> int | None:
+        """The tracked byte size of ``t``'s storage, or ``None`` if it is not tracked."""
+        st = _storage(t)
+        entry = self._live.get(id(st)) if st is not None else None
+        return None if entry is None else int(entry[0])
 
     def _free(self, key: int, uid: int) -> None:
         entry = self._live.get(key)
@@ -257,19 +267,20 @@ class StorageTracker(TorchDispatchMode):
         return self._after(func, args, kwargs, out)
 
     def _after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        for t in tree_flatten(out)[0]:
+        extra = self._kernel_extra(func, args, kwargs, out, self.size_of) if self._kernel_extra is not None else None
+        sizes = extra.output_bytes if extra is not None else ()
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        for i, t in enumerate(outputs):
             if isinstance(t, FakeTensor):
-                self.track(t)
+                self.track(t, nbytes=sizes[i] if i < len(sizes) else None)
         if func._schema.is_mutable:
             for t in _written_args(func, args, kwargs):
                 self._resized(t)
         self.op_count += 1
-        scratch = 0
-        if self._kernel_scratch is not None and self.recording:
-            scratch = self._kernel_scratch(func, args, kwargs, out)
-            if scratch:
-                uid = next(self._uids)
-                self.events.append((uid, scratch))
-                self.events.append((uid, -scratch))
+        scratch = extra.scratch_bytes if extra is not None else 0
+        if scratch and self.recording:
+            uid = next(self._uids)
+            self.events.append((uid, scratch))
+            self.events.append((uid, -scratch))
         self._observe(self.phase, str(func), scratch)
         return out

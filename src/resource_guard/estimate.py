@@ -268,7 +268,7 @@ def _trace(
     device_kind: str,
 ) -> MemoryEstimate:
     started = time.perf_counter()
-    tracker = StorageTracker(_kernels.scratch_bytes)
+    tracker = StorageTracker(_kernels.kernel_extra)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     spans: list[tuple[str, int, int]] = []
     with fake_mode, tracker:

@@ -16,7 +16,7 @@ from torch import nn
 from .precision import parse_precision
 from .step import LossFn, iter_tensors, training_step
 
-__all__ = ["MeasuredStep", "measure_training_step", "live_bytes"]
+__all__ = ["MeasuredStep", "allocation_deltas", "live_bytes", "measure_training_step"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ def live_bytes(*objects: Any) -> int:
     return sum(seen.values())
 
 
-def _allocation_deltas(prof: torch.profiler.profile) -> list[tuple[int, int]]:
+def allocation_deltas(prof: torch.profiler.profile) -> list[tuple[int, int]]:
+    """``(time_ns, +bytes | -bytes)`` of every CPU allocation and free the profiler recorded, in order."""
     from torch._C._profiler import _EventType
 
     events: list[tuple[int, int]] = []
@@ -98,7 +99,7 @@ def measure_training_step(
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         training_step(model, optimizer, batch, loss_fn, spec, "cpu", loss_scale=scale)
     running = peak = 0
-    deltas = _allocation_deltas(prof)
+    deltas = allocation_deltas(prof)
     for _, size in deltas:
         running += size
         peak = max(peak, running)

@@ -1,0 +1,636 @@
+"""Device catalog (capacity, bf16, peak TFLOP/s, bandwidth, price) and detection of local devices.
+
+The catalog ships as ``resource_guard/data/devices.yaml``; a user file with the same schema
+(``configs/devices.example.yaml``) is merged over it. Detection asks NVML (no CUDA context), then
+``torch.cuda`` as a fallback, ``torch.backends.mps`` and psutil. Nothing happens at import.
+
+Example:
+    >>> from resource_guard.devices import load_catalog, parse_bytes
+    >>> a100 = load_catalog().get("A100_40GB")
+    >>> a100.name, a100.memory_bytes == parse_bytes("40GiB"), a100.peak_tflops["bf16"]
+    ('a100-40gb', True, 312.0)
+    >>> load_catalog().match_hardware_name("NVIDIA A100-SXM4-80GB").name
+    'a100-80gb'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import functools
+import importlib.resources
+import logging
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import psutil
+import torch
+import yaml
+
+from .errors import ConfigurationError
+
+__all__ = [
+    "DEVICE_KINDS",
+    "PEAK_DTYPES",
+    "Catalog",
+    "DeviceSpec",
+    "detect_local_devices",
+    "load_catalog",
+    "parse_bytes",
+    "resolve_device",
+]
+
+_log = logging.getLogger(__name__)
+
+DEVICE_KINDS = ("cuda", "rocm", "mps", "cpu")
+PEAK_DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8", "int8")
+_SCHEMA = "see configs/devices.example.yaml"
+_MATCH_MEMORY_TOLERANCE = 0.12  # drivers report up to ~7% below the datasheet size (ECC, reservations)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device: a catalog entry, or a device detected on this machine.
+
+    Attributes:
+        name: canonical catalog name (``"a100-40gb"``) or, detected, ``"cuda:0"``, ``"mps"``, ``"cpu"``.
+        kind: one of :data:`DEVICE_KINDS`.
+        memory_bytes: capacity (``"cpu"``: installed RAM; unified-memory GPUs: what the GPU may use).
+        aliases: other names; for a detected GPU, the catalog entry it matched (empty if none).
+        peak_tflops: dense peak TFLOP/s per dtype (keys from :data:`PEAK_DTYPES`); read-only.
+        free_bytes: free memory when detected; ``None`` (unknown) for catalog entries.
+        index: torch device index of a detected CUDA/ROCm GPU.
+        source: ``"catalog"``, ``"detected"`` or the path of the user catalog file.
+    """
+
+    name: str
+    kind: str
+    memory_bytes: int
+    display_name: str = ""
+    vendor: str = ""
+    aliases: tuple[str, ...] = ()
+    bf16: bool = False
+    compute_capability: str | None = None
+    peak_tflops: Mapping[str, float] = field(default_factory=dict, hash=False)
+    memory_bandwidth_gbps: float | None = None
+    price_per_hour_usd: float | None = None
+    unified_memory: bool = False
+    free_bytes: int | None = None
+    index: int | None = None
+    source: str = "catalog"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigurationError(f"`DeviceSpec(name={self.name!r})` must be a non-empty string")
+        if self.kind not in DEVICE_KINDS:
+            raise ConfigurationError(f"`DeviceSpec(kind={self.kind!r})` must be one of {DEVICE_KINDS}")
+        for attr, value in (("memory_bytes", self.memory_bytes), ("free_bytes", self.free_bytes)):
+            if not (value is None and attr == "free_bytes") and not (_is_int(value) and value >= 0):
+                raise ConfigurationError(f"`DeviceSpec({attr}={value!r})` must be an int >= 0")
+        object.__setattr__(self, "aliases", tuple(self.aliases))
+        object.__setattr__(self, "peak_tflops", MappingProxyType(dict(self.peak_tflops)))
+
+    @property
+    def is_gpu(self) -> bool:
+        """True for CUDA, ROCm and MPS devices."""
+        return self.kind in ("cuda", "rocm", "mps")
+
+    def with_memory(self, memory_bytes: int) -> DeviceSpec:
+        """A copy with capacity ``memory_bytes`` (a memory cap); ``free_bytes`` is clipped to it."""
+        free = None if self.free_bytes is None else min(self.free_bytes, memory_bytes)
+        return dataclasses.replace(self, memory_bytes=memory_bytes, free_bytes=free)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
+
+
+_UNITS = {"": 1, "b": 1}
+for _power, _prefix in enumerate("kmgtp", start=1):
+    _UNITS.update({_prefix: 1024**_power, _prefix + "ib": 1024**_power, _prefix + "b": 1000**_power})
+_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(e[+-]?\d+)?\s*([a-z]*)")
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """Read a size in bytes: an int, or a string such as ``"40GiB"``, ``"24 GB"``, ``"512MiB"``.
+
+    ``KiB``/``MiB``/``GiB``/``TiB`` (and bare ``K``/``M``/``G``/``T``) are powers of 1024; ``KB``/``MB``/
+    ``GB``/``TB`` are powers of 1000. Fractions are truncated to whole bytes.
+
+    Raises:
+        ConfigurationError: negative, non-numeric or with an unknown unit.
+
+    Example:
+        >>> parse_bytes("6GiB"), parse_bytes("24 GB"), parse_bytes(1024), parse_bytes("1.5k")
+        (6442450944, 24000000000, 1024, 1536)
+    """
+    bad = ConfigurationError(
+        f"cannot read {text!r} as a size in bytes: give an int of bytes or a size like '40GiB', "
+        "'24 GB', '512MiB' (GiB = 2**30, GB = 10**9)"
+    )
+    if isinstance(text, float) and math.isfinite(text) and text.is_integer():
+        text = int(text)
+    if _is_int(text):
+        if text < 0:  # type: ignore[operator]
+            raise ConfigurationError(f"size {text!r} must not be negative")
+        return int(text)
+    if not isinstance(text, str):
+        raise bad
+    cleaned = text.strip().replace("_", "").lower()
+    if cleaned.startswith("-"):
+        raise ConfigurationError(f"size {text!r} must not be negative")
+    match = _SIZE_RE.fullmatch(cleaned)
+    if match is None or match[3] not in _UNITS:
+        raise bad
+    return int(Decimal(match[1] + (match[2] or "")) * _UNITS[match[3]])
+
+
+def _key(name: str) -> str:
+    """Lookup key: case, spaces, '-' and '_' ignored."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def _words(name: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", name.lower())
+
+
+class Catalog:
+    """Immutable mapping of canonical name -> :class:`DeviceSpec`, with alias lookup.
+
+    Iterating yields the canonical names in catalog order; :meth:`values` gives the specs.
+    """
+
+    def __init__(self, specs: Iterable[DeviceSpec]) -> None:
+        self._specs: dict[str, DeviceSpec] = {}
+        for spec in specs:
+            if spec.name in self._specs:
+                raise ConfigurationError(f"device {spec.name!r} is listed twice")
+            self._specs[spec.name] = spec
+        self._lookup = {_key(name): name for name in self._specs}
+        for spec in self._specs.values():
+            for alias in spec.aliases:
+                owner = self._lookup.setdefault(_key(alias), spec.name)
+                if owner != spec.name:
+                    raise ConfigurationError(
+                        f"alias {alias!r} of device {spec.name!r} already names {owner!r}"
+                    )
+
+    def get(self, name: str) -> DeviceSpec:
+        """The entry called ``name`` or one of its aliases (case, spaces, '-' and '_' ignored).
+
+        Raises:
+            ConfigurationError: unknown name; the message lists close matches.
+        """
+        canonical = self._lookup.get(_key(name)) if isinstance(name, str) else None
+        if canonical is not None:
+            return self._specs[canonical]
+        labels = {alias.lower(): spec.name for spec in self._specs.values() for alias in spec.aliases}
+        labels.update({spec_name: spec_name for spec_name in self._specs})
+        close = difflib.get_close_matches(str(name).strip().lower(), list(labels), n=6, cutoff=0.6)
+        suggestions = list(dict.fromkeys(labels[label] for label in close))[:3]
+        hint = f"Did you mean {', '.join(map(repr, suggestions))}? " if suggestions else ""
+        raise ConfigurationError(
+            f"Unknown device {name!r}. {hint}Run `resource-guard devices` to list the {len(self)} known "
+            f"devices, or describe yours in a catalog file ({_SCHEMA})."
+        )
+
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    def values(self) -> list[DeviceSpec]:
+        return list(self._specs.values())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and _key(name) in self._lookup
+
+    def match_hardware_name(self, hw_name: str, memory_bytes: int | None = None) -> DeviceSpec | None:
+        """The entry for a driver's device name (``"NVIDIA A100-SXM4-40GB"``, ``"Tesla T4"``), or None.
+
+        An entry matches when all words of its name, of an alias or of its family (the name without
+        trailing size/form words: ``"a100"``) occur in ``hw_name``; the most specific match wins. With
+        ``memory_bytes`` (what the driver reports), entries more than 12% away in capacity are ruled
+        out: that tells a 40GB from an 80GB A100 and rejects unknown variants (MIG slices, H100 NVL).
+        """
+        hw_words = set(_words(hw_name))
+        best: tuple[tuple[int, int, float], DeviceSpec] | None = None
+        for spec in self._specs.values():
+            gap = 0.0 if memory_bytes is None else abs(memory_bytes - spec.memory_bytes) / spec.memory_bytes
+            if spec.kind == "cpu" or gap > _MATCH_MEMORY_TOLERANCE:
+                continue
+            family = _words(spec.name)
+            while len(family) > 1 and re.fullmatch(r"\d+gb|sxm\d*|pcie", family[-1]):
+                family.pop()
+            labels = [(set(_words(label)), 1) for label in (spec.name, *spec.aliases)] + [(set(family), 0)]
+            hits = [(len(words), explicit) for words, explicit in labels if words and words <= hw_words]
+            if hits and (best is None or (*max(hits), -gap) > best[0]):
+                best = ((*max(hits), -gap), spec)
+        return None if best is None else best[1]
+
+
+def _text_field(required: bool) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: isinstance(v, str) and (bool(v.strip()) or not required)), "a string"
+
+
+_OPTIONAL_NUMBER = (lambda v: v is None or (_is_number(v) and v >= 0), "a number >= 0 or null")
+_FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "name": _text_field(True),
+    "display_name": _text_field(False),
+    "vendor": _text_field(False),
+    "kind": (lambda v: v in DEVICE_KINDS, f"one of {', '.join(DEVICE_KINDS)}"),
+    "aliases": (
+        lambda v: isinstance(v, list) and all(_text_field(True)[0](a) for a in v),
+        "a list of strings",
+    ),
+    "memory": (lambda v: True, "a size"),  # checked by parse_bytes
+    "bf16": (lambda v: isinstance(v, bool), "true or false"),
+    "unified_memory": (lambda v: isinstance(v, bool), "true or false"),
+    "compute_capability": (
+        lambda v: (
+            v is None or (isinstance(v, (str, float)) and re.fullmatch(r"\d+\.\d+", str(v)) is not None)
+        ),
+        'a string like "8.0" or null',
+    ),
+    "peak_tflops": (
+        lambda v: (
+            isinstance(v, dict) and all(k in PEAK_DTYPES and _is_number(x) and x > 0 for k, x in v.items())
+        ),
+        f"a mapping of dtypes ({', '.join(PEAK_DTYPES)}) to TFLOP/s > 0",
+    ),
+    "memory_bandwidth_gbps": _OPTIONAL_NUMBER,
+    "price_per_hour_usd": _OPTIONAL_NUMBER,
+}
+_REQUIRED = ("name", "kind", "memory")
+
+
+def _entry_kwargs(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """Check one YAML entry's fields and turn them into DeviceSpec keyword arguments."""
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        check, expected = _FIELD_CHECKS.get(name, (None, ""))
+        if check is None:
+            allowed = ", ".join(_FIELD_CHECKS)
+            raise ConfigurationError(
+                f"{where}, field `{name}`: unknown field; allowed: {allowed} ({_SCHEMA})."
+            )
+        if not check(value):
+            raise ConfigurationError(
+                f"{where}, field `{name}`: must be {expected}, got {value!r} ({_SCHEMA})."
+            )
+        if name == "memory":
+            try:
+                value = value if value == "detect" else parse_bytes(value)
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"{where}, field `memory`: {exc} ({_SCHEMA}).") from None
+            if value == 0:
+                raise ConfigurationError(f"{where}, field `memory`: must be greater than zero ({_SCHEMA}).")
+            name = "memory_bytes"
+        elif name in ("name", "display_name", "vendor"):
+            value = value.strip()
+        elif name == "aliases":
+            value = tuple(alias.strip() for alias in value)
+        elif name == "peak_tflops":
+            value = {dtype: float(tflops) for dtype, tflops in value.items()}
+        elif name == "compute_capability" and value is not None:
+            value = str(value)
+        elif name in ("memory_bandwidth_gbps", "price_per_hour_usd") and value is not None:
+            value = float(value)
+        out[name] = value
+    return out
+
+
+def _parse_catalog(text: str, origin: str, base: Mapping[str, DeviceSpec]) -> list[DeviceSpec]:
+    """The entries of one catalog file; an entry named like one in ``base`` overrides only given fields."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigurationError(
+            f"Device catalog {origin} is not valid YAML: {' '.join(str(exc).split())}"
+        ) from None
+    entries = data.get("devices") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ConfigurationError(
+            f"Device catalog {origin} must be a mapping with a `devices:` list ({_SCHEMA})."
+        )
+    source = "catalog" if origin == "the bundled catalog" else origin
+    specs: dict[str, DeviceSpec] = {}
+    for number, raw in enumerate(entries, start=1):
+        label = raw.get("name") if isinstance(raw, dict) else None
+        where = f"Device catalog {origin}, entry {number}" + (f" ({label!r})" if label else "")
+        if not isinstance(raw, dict):
+            raise ConfigurationError(f"{where}: must be a mapping of fields, got {raw!r} ({_SCHEMA}).")
+        kwargs = _entry_kwargs(raw, where)
+        override = base.get(_key(kwargs.get("name", "")))
+        if override is not None:
+            inherited = {f.name: getattr(override, f.name) for f in dataclasses.fields(override)}
+            kwargs = {**inherited, **kwargs, "name": override.name}
+        for required in _REQUIRED:
+            if required not in kwargs and f"{required}_bytes" not in kwargs:
+                raise ConfigurationError(
+                    f"{where}: missing required field `{required}` (required: {', '.join(_REQUIRED)}; {_SCHEMA})."
+                )
+        if kwargs["memory_bytes"] == "detect":
+            if kwargs["kind"] != "cpu":
+                raise ConfigurationError(f"{where}, field `memory`: 'detect' is only allowed for kind cpu.")
+            kwargs["memory_bytes"] = int(psutil.virtual_memory().total)
+        if kwargs["name"] in specs:
+            raise ConfigurationError(f"{where}: the name {kwargs['name']!r} is used twice in this file.")
+        specs[kwargs["name"]] = DeviceSpec(**{**kwargs, "source": source})
+    return list(specs.values())
+
+
+@functools.lru_cache(maxsize=1)
+def _bundled_specs() -> tuple[DeviceSpec, ...]:
+    text = importlib.resources.files("resource_guard").joinpath("data/devices.yaml").read_text("utf-8")
+    return tuple(_parse_catalog(text, "the bundled catalog", {}))
+
+
+def load_catalog(path: str | os.PathLike[str] | None = None) -> Catalog:
+    """The bundled catalog, or the bundled one with the entries of a user YAML file merged over it.
+
+    A user entry whose name is a bundled name replaces only the fields it gives; other entries are
+    added. Names and aliases a user entry introduces are taken away from bundled entries.
+
+    Raises:
+        ConfigurationError: unreadable file, malformed YAML, missing or mistyped fields; the message
+            names the file, the entry and the field.
+    """
+    bundled = {spec.name: spec for spec in _bundled_specs()}
+    if path is None:
+        return Catalog(bundled.values())
+    origin = os.fspath(path)
+    try:
+        text = Path(origin).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"Cannot read device catalog {origin}: {exc}") from None
+    user = _parse_catalog(text, origin, {_key(name): spec for name, spec in bundled.items()})
+    owners: dict[str, str] = {}  # lookup key -> user entry that introduced it
+    for spec in user:
+        inherited = set(bundled[spec.name].aliases) if spec.name in bundled else set()
+        owners.update(
+            {_key(label): spec.name for label in (spec.name, *spec.aliases) if label not in inherited}
+        )
+    merged = {**bundled, **{spec.name: spec for spec in user}}
+    for name, spec in merged.items():
+        kept = tuple(alias for alias in spec.aliases if owners.get(_key(alias), name) == name)
+        merged[name] = dataclasses.replace(spec, aliases=kept)
+    try:
+        return Catalog(merged.values())
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"Device catalog {origin}: {exc}.") from None
+
+
+@dataclass(frozen=True)
+class _GpuInfo:
+    """What a driver says about one GPU (what the seams below return)."""
+
+    name: str
+    total_bytes: int
+    free_bytes: int | None
+    kind: str = "cuda"
+    compute_capability: str | None = None
+    uuid: str = ""
+    unified_memory: bool = False
+
+
+def _nvml_devices() -> list[_GpuInfo] | None:
+    """All physical NVIDIA GPUs in NVML order; None if NVML is unusable. Creates no CUDA context."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    nvml_error: Any = (getattr(pynvml, "NVMLError", OSError), OSError)
+    try:
+        pynvml.nvmlInit()
+    except nvml_error as exc:
+        _log.debug("NVML unavailable (%s); GPUs are probed through torch.cuda instead", exc)
+        return None
+    try:
+        gpus = []
+        for physical in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(physical)
+            name, uuid = (_str(get(handle)) for get in (pynvml.nvmlDeviceGetName, pynvml.nvmlDeviceGetUUID))
+            capability = None
+            with contextlib.suppress(*nvml_error):
+                capability = "{}.{}".format(*pynvml.nvmlDeviceGetCudaComputeCapability(handle))
+            try:
+                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                gpus.append(_GpuInfo(name, int(memory.total), int(memory.free), "cuda", capability, uuid))
+            except nvml_error:  # unified-memory GPUs (e.g. GB10) have no dedicated memory to report
+                ram = psutil.virtual_memory()
+                gpus.append(_GpuInfo(name, ram.total, ram.available, "cuda", capability, uuid, True))
+        return gpus
+    except nvml_error as exc:
+        _log.debug("NVML query failed (%s); GPUs are probed through torch.cuda instead", exc)
+        return None
+    finally:
+        with contextlib.suppress(*nvml_error):
+            pynvml.nvmlShutdown()
+
+
+def _str(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _visible_gpus(physical: list[_GpuInfo], visible: str | None) -> list[_GpuInfo] | None:
+    """NVML GPUs in torch index order under ``CUDA_VISIBLE_DEVICES``; None if it cannot be mapped.
+
+    Follows CUDA: entries are indices or ``GPU-<uuid prefix>``; the list ends at the first invalid or
+    repeated entry; an empty value hides every GPU. MIG entries are left to torch (None). Assumes the
+    PCI-bus order NVML uses (``CUDA_DEVICE_ORDER=PCI_BUS_ID``; the usual order on uniform nodes).
+    """
+    if visible is None:
+        return list(physical)
+    chosen: list[int] = []
+    for item in (part.strip().lower() for part in visible.split(",")):
+        if item.startswith("mig-"):
+            return None
+        if item.startswith("gpu-"):
+            found = [i for i, gpu in enumerate(physical) if gpu.uuid.lower().startswith(item)]
+            index = found[0] if len(found) == 1 else -1
+        else:
+            index = int(item) if item.isdigit() else -1
+        if not 0 <= index < len(physical) or index in chosen:
+            break
+        chosen.append(index)
+    return [physical[i] for i in chosen]
+
+
+def _torch_cuda_built() -> bool:
+    return bool(torch.backends.cuda.is_built())
+
+
+def _torch_cuda_devices() -> list[_GpuInfo]:
+    """Fallback when NVML is unusable (ROCm, no driver library): ``torch.cuda`` (creates a context)."""
+    if not torch.cuda.is_available():
+        return []
+    kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    gpus = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        free: int | None = None
+        total = int(props.total_memory)
+        with contextlib.suppress(RuntimeError):
+            free, total = (int(n) for n in torch.cuda.mem_get_info(index))
+        capability = f"{props.major}.{props.minor}" if kind == "cuda" else None
+        gpus.append(_GpuInfo(props.name, total, free, kind, capability))
+    return gpus
+
+
+def _detected(name: str, kind: str, memory_bytes: int, match: DeviceSpec | None, **extra: Any) -> DeviceSpec:
+    """A detected device, with the datasheet facts of the catalog entry it matched (if any)."""
+    facts: dict[str, Any] = {"aliases": (), "bf16": False}
+    if match is not None:
+        facts = {f: getattr(match, f) for f in ("vendor", "bf16", "compute_capability", "peak_tflops")}
+        facts.update(aliases=(match.name,), memory_bandwidth_gbps=match.memory_bandwidth_gbps)
+        facts.update(price_per_hour_usd=match.price_per_hour_usd)
+    facts.update({k: v for k, v in extra.items() if v is not None})
+    return DeviceSpec(name=name, kind=kind, memory_bytes=memory_bytes, source="detected", **facts)
+
+
+def _cuda_specs(catalog: Catalog) -> list[DeviceSpec]:
+    if not _torch_cuda_built():  # a CPU-only torch cannot use the GPUs NVML would list
+        return []
+    physical = _nvml_devices()
+    gpus = None if physical is None else _visible_gpus(physical, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if gpus is None:
+        gpus = _torch_cuda_devices()
+    specs = []
+    for index, gpu in enumerate(gpus):
+        match = catalog.match_hardware_name(gpu.name, memory_bytes=gpu.total_bytes)
+        cc = gpu.compute_capability
+        bf16 = None if match or not cc else gpu.kind == "cuda" and int(cc.split(".")[0]) >= 8
+        vendor = None if match else ("amd" if gpu.kind == "rocm" else "nvidia")
+        specs.append(_detected(
+            f"cuda:{index}", gpu.kind, gpu.total_bytes, match, display_name=gpu.name, vendor=vendor, bf16=bf16,
+            compute_capability=cc, unified_memory=gpu.unified_memory, free_bytes=gpu.free_bytes, index=index,
+        ))  # fmt: skip
+    return specs
+
+
+def _read_cpuinfo() -> str | None:
+    with contextlib.suppress(OSError):
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    return None
+
+
+def _cpu_spec(cpuinfo: str | None) -> DeviceSpec:
+    """Host RAM, and native bf16 from the CPU flags (x86 avx512_bf16/amx_bf16, Arm bf16; unknown: no)."""
+    flags: set[str] = set()
+    model = ""
+    for line in (cpuinfo or "").splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key in ("flags", "Features"):
+            flags.update(value.split())
+        model = model or (value if key == "model name" else "")
+    ram = psutil.virtual_memory()
+    bf16 = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return _detected("cpu", "cpu", int(ram.total), None, display_name=model or platform.processor() or "CPU",
+                     bf16=bf16, free_bytes=int(ram.available))  # fmt: skip
+
+
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def _mps_spec(catalog: Catalog) -> DeviceSpec:
+    """The Apple GPU: unified memory, capped at Metal's recommended working set when torch says so."""
+    ram = psutil.virtual_memory()
+    total = int(ram.total)
+    with contextlib.suppress(AttributeError, RuntimeError):
+        total = min(total, int(torch.mps.recommended_max_memory()))
+    chip = ""
+    if sys.platform == "darwin":
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            cmd = ["sysctl", "-n", "machdep.cpu.brand_string"]
+            chip = subprocess.run(cmd, capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    match = catalog.match_hardware_name(chip) if chip else None  # no memory filter: RAM varies per Mac
+    return _detected("mps", "mps", total, match, display_name=chip or "Apple GPU (MPS)", vendor="apple",
+                     unified_memory=True, free_bytes=min(int(ram.available), total))  # fmt: skip
+
+
+def detect_local_devices(catalog: Catalog | None = None) -> list[DeviceSpec]:
+    """The devices of this machine: CUDA/ROCm GPUs (torch index order), then MPS, then always ``cpu``.
+
+    GPUs come from NVML (no CUDA context; ``CUDA_VISIBLE_DEVICES`` respected; NVML shut down before
+    returning), or from ``torch.cuda`` when NVML is unusable. Datasheet facts (peaks, bandwidth, bf16)
+    come from the catalog entry the driver's name matches. Never raises for missing hardware.
+    """
+    catalog = catalog if catalog is not None else load_catalog()
+    found = _cuda_specs(catalog)
+    if _mps_available():
+        found.append(_mps_spec(catalog))
+    found.append(_cpu_spec(_read_cpuinfo()))
+    return found
+
+
+def resolve_device(device: str | DeviceSpec | None = "auto", catalog: Catalog | None = None) -> DeviceSpec:
+    """Turn a user's device argument into a :class:`DeviceSpec`.
+
+    ``"auto"``/None: the CUDA/ROCm GPU with most free memory, else MPS, else the CPU (all detected).
+    ``"cpu"``, ``"mps"``, ``"cuda"`` (= ``"cuda:0"``), ``"cuda:N"``: that detected device. Any other
+    name is looked up in the catalog (no hardware needed), e.g. ``"a100-40gb"`` for a pre-flight check.
+
+    Raises:
+        ConfigurationError: the device is absent or unknown; the message says what exists.
+    """
+    if isinstance(device, DeviceSpec):
+        return device
+    if device is not None and not isinstance(device, str):
+        raise ConfigurationError(f"`resolve_device({device!r})` must be a device name, a DeviceSpec or None")
+    name = "auto" if device is None else device.strip()
+    catalog = catalog if catalog is not None else load_catalog()
+    if name.lower() == "auto":
+        local = detect_local_devices(catalog)
+        gpus = [d for d in local if d.kind in ("cuda", "rocm")]
+        if gpus:  # most free memory (capacity if unknown); the lowest index on ties
+            return max(
+                gpus,
+                key=lambda d: (d.memory_bytes if d.free_bytes is None else d.free_bytes, -(d.index or 0)),
+            )
+        return next((d for d in local if d.kind == "mps"), local[-1])
+    if name.lower() == "cpu":
+        return _cpu_spec(_read_cpuinfo())
+    if name.lower() == "mps":
+        if not _mps_available():
+            raise ConfigurationError("`resolve_device('mps')`: no MPS device is available (needs Apple silicon "
+                                     "and a PyTorch build with MPS). Use 'auto' or 'cpu'.")  # fmt: skip
+        return _mps_spec(catalog)
+    cuda = re.fullmatch(r"cuda(?::(\d+))?", name.lower())
+    if cuda is not None:
+        gpus = _cuda_specs(catalog)
+        wanted = f"cuda:{int(cuda[1] or 0)}"
+        for gpu in gpus:
+            if gpu.name == wanted:
+                return gpu
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = f"visible: {', '.join(g.name for g in gpus)}" if gpus else "no CUDA device is visible"
+        seen += "" if env is None else f" (CUDA_VISIBLE_DEVICES={env!r})"
+        raise ConfigurationError(f"`resolve_device({device!r})`: {wanted} does not exist, {seen}. Use 'auto' or "
+                                 "'cpu', or a catalog name such as 'a100-40gb' to plan for hardware you lack.")  # fmt: skip
+    try:
+        return catalog.get(name)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"`resolve_device({device!r})`: {exc} Local devices: 'auto', 'cpu', 'cuda', "
+                                 "'cuda:N', 'mps'.") from None  # fmt: skip
