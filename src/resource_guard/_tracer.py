@@ -136,6 +136,10 @@ class StorageTracker(TorchDispatchMode):
             self.events.append((uid, nbytes))
         weakref.finalize(st, self._free, key, uid)
 
+    def live_storages(self) -> tuple[tuple[int, int], ...]:
+        """``(id, bytes)`` of every live tracked storage."""
+        return tuple((entry[2], entry[0]) for entry in self._live.values())
+
     def size_of(self, t: torch.Tensor) -> int | None:
         """The tracked byte size of ``t``'s storage, or ``None`` if it is not tracked."""
         st = _storage(t)

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import psutil
@@ -57,6 +56,27 @@ DEVICE_KINDS = ("cuda", "rocm", "mps", "cpu")
 PEAK_DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8", "int8")
 _SCHEMA = "see configs/devices.example.yaml"
 _MATCH_MEMORY_TOLERANCE = 0.12  # drivers report up to ~7% below the datasheet size (ECC, reservations)
+
+
+class _ReadOnlyMapping(Mapping[str, float]):
+    """A read-only dict that, unlike ``MappingProxyType``, pickles and deep-copies (DDP, callbacks)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, float]) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, key: str) -> float:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return repr(self._data)
 
 
 @dataclass(frozen=True)
@@ -95,11 +115,12 @@ class DeviceSpec:
             raise ConfigurationError(f"`DeviceSpec(name={self.name!r})` must be a non-empty string")
         if self.kind not in DEVICE_KINDS:
             raise ConfigurationError(f"`DeviceSpec(kind={self.kind!r})` must be one of {DEVICE_KINDS}")
-        for attr, value in (("memory_bytes", self.memory_bytes), ("free_bytes", self.free_bytes)):
+        for attr in ("memory_bytes", "free_bytes"):
+            value: Any = getattr(self, attr)
             if not (value is None and attr == "free_bytes") and not (_is_int(value) and value >= 0):
                 raise ConfigurationError(f"`DeviceSpec({attr}={value!r})` must be an int >= 0")
         object.__setattr__(self, "aliases", tuple(self.aliases))
-        object.__setattr__(self, "peak_tflops", MappingProxyType(dict(self.peak_tflops)))
+        object.__setattr__(self, "peak_tflops", _ReadOnlyMapping(self.peak_tflops))
 
     @property
     def is_gpu(self) -> bool:
@@ -346,8 +367,9 @@ def _parse_catalog(text: str, origin: str, base: Mapping[str, DeviceSpec]) -> li
             kwargs = {**inherited, **kwargs, "name": override.name}
         for required in _REQUIRED:
             if required not in kwargs and f"{required}_bytes" not in kwargs:
+                needed = ", ".join(_REQUIRED)
                 raise ConfigurationError(
-                    f"{where}: missing required field `{required}` (required: {', '.join(_REQUIRED)}; {_SCHEMA})."
+                    f"{where}: missing required field `{required}` ({needed}; {_SCHEMA})."
                 )
         if kwargs["memory_bytes"] == "detect":
             if kwargs["kind"] != "cpu":
@@ -522,8 +544,9 @@ def _cuda_specs(catalog: Catalog) -> list[DeviceSpec]:
         bf16 = None if match or not cc else gpu.kind == "cuda" and int(cc.split(".")[0]) >= 8
         vendor = None if match else ("amd" if gpu.kind == "rocm" else "nvidia")
         specs.append(_detected(
-            f"cuda:{index}", gpu.kind, gpu.total_bytes, match, display_name=gpu.name, vendor=vendor, bf16=bf16,
-            compute_capability=cc, unified_memory=gpu.unified_memory, free_bytes=gpu.free_bytes, index=index,
+            f"cuda:{index}", gpu.kind, gpu.total_bytes, match, display_name=gpu.name, vendor=vendor,
+            bf16=bf16, compute_capability=cc, unified_memory=gpu.unified_memory, free_bytes=gpu.free_bytes,
+            index=index,
         ))  # fmt: skip
     return specs
 
@@ -614,8 +637,10 @@ def resolve_device(device: str | DeviceSpec | None = "auto", catalog: Catalog | 
         return _cpu_spec(_read_cpuinfo())
     if name.lower() == "mps":
         if not _mps_available():
-            raise ConfigurationError("`resolve_device('mps')`: no MPS device is available (needs Apple silicon "
-                                     "and a PyTorch build with MPS). Use 'auto' or 'cpu'.")  # fmt: skip
+            raise ConfigurationError(
+                "`resolve_device('mps')`: no MPS device is available (needs Apple silicon and a PyTorch "
+                "build with MPS). Use 'auto' or 'cpu'."
+            )
         return _mps_spec(catalog)
     cuda = re.fullmatch(r"cuda(?::(\d+))?", name.lower())
     if cuda is not None:
@@ -627,10 +652,12 @@ def resolve_device(device: str | DeviceSpec | None = "auto", catalog: Catalog | 
         env = os.environ.get("CUDA_VISIBLE_DEVICES")
         seen = f"visible: {', '.join(g.name for g in gpus)}" if gpus else "no CUDA device is visible"
         seen += "" if env is None else f" (CUDA_VISIBLE_DEVICES={env!r})"
-        raise ConfigurationError(f"`resolve_device({device!r})`: {wanted} does not exist, {seen}. Use 'auto' or "
-                                 "'cpu', or a catalog name such as 'a100-40gb' to plan for hardware you lack.")  # fmt: skip
+        raise ConfigurationError(
+            f"`resolve_device({device!r})`: {wanted} does not exist, {seen}. Use 'auto' or 'cpu', or a "
+            "catalog name such as 'a100-40gb' to plan for hardware you lack."
+        )
     try:
         return catalog.get(name)
     except ConfigurationError as exc:
-        raise ConfigurationError(f"`resolve_device({device!r})`: {exc} Local devices: 'auto', 'cpu', 'cuda', "
-                                 "'cuda:N', 'mps'.") from None  # fmt: skip
+        detected = "'auto', 'cpu', 'cuda', 'cuda:N', 'mps'"
+        raise ConfigurationError(f"`resolve_device({device!r})`: {exc} Local devices: {detected}.") from None

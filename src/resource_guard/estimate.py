@@ -56,7 +56,8 @@ class MemoryEstimate:
         warnings: what was assumed or could not be traced.
         timeline: ``(phase, bytes by category)`` over the step, at most ~2000 points.
         allocations: the step's allocation events ``(id, +bytes | -bytes)`` on the target's code path,
-            for the caching-allocator model of :meth:`for_device`.
+            for the caching-allocator model of :meth:`for_device`; ``initial_allocations`` holds
+            ``(id, bytes)`` of the storages alive when the step began.
         trace_seconds: time the estimate took.
     """
 
@@ -75,6 +76,7 @@ class MemoryEstimate:
     warnings: tuple[str, ...] = ()
     timeline: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
     allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+    initial_allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     trace_seconds: float = 0.0
 
     def for_device(
@@ -297,6 +299,7 @@ def _trace(
                 on_phase(f"optimizer:{name}")
                 world.optimizer.step()
 
+        initial = tracker.live_storages()
         tracker.recording = True
         tracker.start_phase("forward")
         training_step(
@@ -339,6 +342,7 @@ def _trace(
         warnings=tuple(notes),
         timeline=_downsample(tracker.timeline, keep),
         allocations=tuple(_events_for(tracker, spans, variant)),
+        initial_allocations=initial,
         trace_seconds=time.perf_counter() - started,
     )
 
