@@ -1,0 +1,60 @@
+"""The embedded default model: a small GPT-style decoder in plain torch.nn, with synthetic tokens.
+
+``resource-guard preflight`` with no target estimates this; tests and examples reuse it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TinyGPT", "build"]
+
+
+class TinyGPT(nn.Module):
+    """A decoder-only transformer language model (pre-norm blocks, causal attention, tied head).
+
+    Example:
+        >>> model = TinyGPT(vocab_size=100, d_model=32, n_layers=1, n_heads=2, seq_len=16)
+        >>> model(torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))).shape
+        torch.Size([])
+    """
+
+    def __init__(
+        self, vocab_size: int = 8192, d_model: int = 256, n_layers: int = 4, n_heads: int = 4, seq_len: int = 256
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                d_model, n_heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True, activation="gelu"
+            )
+            for _ in range(n_layers)
+        )
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.embed.weight  # tied weights
+        self.register_buffer("causal_mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        x = self.embed(tokens) + self.pos.weight[:seq]
+        mask = self.causal_mask[:seq, :seq]
+        for block in self.blocks:
+            x = block(x, src_mask=mask, is_causal=True)
+        logits = self.head(self.norm(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build(batch_size: int = 16, seq_len: int = 256, vocab_size: int = 8192, seed: int = 0) -> tuple[Any, ...]:
+    """Model, AdamW optimizer and one batch ``(tokens, targets)`` of synthetic tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = TinyGPT(vocab_size=vocab_size, seq_len=seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator)
+    return model, optimizer, (tokens[:, :-1], tokens[:, 1:])
