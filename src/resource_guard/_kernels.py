@@ -105,6 +105,25 @@ def _probe(func: Any, args: tuple, kwargs: dict, size_of: Callable[[torch.Tensor
     return KernelExtra(max(0, peak - kept), tuple(outputs))
 
 
+def _blas_copy_bytes(func: Any, args: tuple) -> int:
+    """Bytes of the operands a BLAS matmul must first copy: neither row- nor column-major (e.g. expanded)."""
+    total = 0
+    operands = args[1:3] if func in (_aten.addmm.default, _aten.baddbmm.default) else args[:2]
+    for t in operands:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            continue
+        rows, cols = t.shape[-2], t.shape[-1]
+        s_row, s_col = t.stride()[-2], t.stride()[-1]
+        row_major = s_col == 1 and s_row >= max(1, cols)
+        col_major = s_row == 1 and s_col >= max(1, rows)
+        if not (row_major or col_major) and rows > 1 and cols > 1:
+            total += _bytes_of(t)
+    return total
+
+
+_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
+
+
 def kernel_extra(
     func: Any, args: tuple, kwargs: dict, out: Any, size_of: Callable[[torch.Tensor], int | None]
 ) -> KernelExtra | None:
@@ -112,6 +131,9 @@ def kernel_extra(
 
     ``size_of`` tells the tracked storage size of an input (workspaces whose fake is empty).
     """
+    if func in _MATMULS:
+        copied = _blas_copy_bytes(func, args)
+        return KernelExtra(copied) if copied else None
     factor = _PROBED.get(func)
     if factor is None:
         return None

@@ -3,7 +3,7 @@
 Parameters, gradients and optimizer state are exact (they follow from the parameters and the
 optimizer's type). Activations cannot be known without running the model; the fallback assumes every
 leaf module keeps an output as wide as the widest layer for every position of the batch, twice over,
-which overstates typical models. Callers see ``method="analytic"`` and the reason in ``warnings``.
+which overstates typical models, and adds a quarter plus 1 MiB for what it cannot see. Callers see ``method="analytic"`` and the reason in ``warnings``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .step import batch_size_of, iter_tensors
 
 __all__ = ["analytic_estimate", "optimizer_states_per_param"]
 
+_SLACK_BYTES = 2**20
 _TWO_STATES = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Lamb", "LAMB", "Adafactor")
 
 
@@ -83,6 +84,8 @@ def analytic_estimate(
     if spec.autocast_dtype is not None:
         activations += trainable_bytes // 2  # autocast's low-precision copies of the weights
     temporaries = trainable_bytes if device_kind in ("cuda", "rocm") else trainable_bytes // 4
+    known = param_bytes + buffer_bytes + (1 + states) * trainable_bytes + input_bytes + activations + temporaries
+    temporaries += known // 4 + _SLACK_BYTES  # margin: never optimistic
     breakdown = dict.fromkeys(CATEGORIES, 0)
     breakdown.update(
         parameters=param_bytes,

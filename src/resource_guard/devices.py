@@ -1,8 +1,8 @@
-"""Device catalog (capacity, bf16, peak TFLOP/s, bandwidth, price) and detection of local devices.
+"""Device catalog (capacity, bf16, peak TFLOP/s, bandwidth, price) and :func:`resolve_device`.
 
 The catalog ships as ``resource_guard/data/devices.yaml``; a user file with the same schema
-(``configs/devices.example.yaml``) is merged over it. Detection asks NVML (no CUDA context), then
-``torch.cuda`` as a fallback, ``torch.backends.mps`` and psutil. Nothing happens at import.
+(``configs/devices.example.yaml``) is merged over it. Detection of this machine's devices lives in
+:mod:`resource_guard.detect`; ``detect_local_devices`` is re-exported here. Nothing happens at import.
 
 Example:
     >>> from resource_guard.devices import load_catalog, parse_bytes
@@ -15,29 +15,26 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import functools
 import importlib.resources
-import logging
 import math
 import os
-import platform
 import re
-import subprocess
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
-import torch
 import yaml
 
 from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from .detect import detect_local_devices
 
 __all__ = [
     "DEVICE_KINDS",
@@ -49,8 +46,6 @@ __all__ = [
     "parse_bytes",
     "resolve_device",
 ]
-
-_log = logging.getLogger(__name__)
 
 DEVICE_KINDS = ("cuda", "rocm", "mps", "cpu")
 PEAK_DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8", "int8")
@@ -422,190 +417,16 @@ def load_catalog(path: str | os.PathLike[str] | None = None) -> Catalog:
         raise ConfigurationError(f"Device catalog {origin}: {exc}.") from None
 
 
-@dataclass(frozen=True)
-class _GpuInfo:
-    """What a driver says about one GPU (what the seams below return)."""
+def __getattr__(name: str) -> Any:
+    """Re-export :func:`resource_guard.detect.detect_local_devices`, imported on first use (PEP 562).
 
-    name: str
-    total_bytes: int
-    free_bytes: int | None
-    kind: str = "cuda"
-    compute_capability: str | None = None
-    uuid: str = ""
-    unified_memory: bool = False
-
-
-def _nvml_devices() -> list[_GpuInfo] | None:
-    """All physical NVIDIA GPUs in NVML order; None if NVML is unusable. Creates no CUDA context."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    nvml_error: Any = (getattr(pynvml, "NVMLError", OSError), OSError)
-    try:
-        pynvml.nvmlInit()
-    except nvml_error as exc:
-        _log.debug("NVML unavailable (%s); GPUs are probed through torch.cuda instead", exc)
-        return None
-    try:
-        gpus = []
-        for physical in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(physical)
-            name, uuid = (_str(get(handle)) for get in (pynvml.nvmlDeviceGetName, pynvml.nvmlDeviceGetUUID))
-            capability = None
-            with contextlib.suppress(*nvml_error):
-                capability = "{}.{}".format(*pynvml.nvmlDeviceGetCudaComputeCapability(handle))
-            try:
-                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                gpus.append(_GpuInfo(name, int(memory.total), int(memory.free), "cuda", capability, uuid))
-            except nvml_error:  # unified-memory GPUs (e.g. GB10) have no dedicated memory to report
-                ram = psutil.virtual_memory()
-                gpus.append(_GpuInfo(name, ram.total, ram.available, "cuda", capability, uuid, True))
-        return gpus
-    except nvml_error as exc:
-        _log.debug("NVML query failed (%s); GPUs are probed through torch.cuda instead", exc)
-        return None
-    finally:
-        with contextlib.suppress(*nvml_error):
-            pynvml.nvmlShutdown()
-
-
-def _str(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _visible_gpus(physical: list[_GpuInfo], visible: str | None) -> list[_GpuInfo] | None:
-    """NVML GPUs in torch index order under ``CUDA_VISIBLE_DEVICES``; None if it cannot be mapped.
-
-    Follows CUDA: entries are indices or ``GPU-<uuid prefix>``; the list ends at the first invalid or
-    repeated entry; an empty value hides every GPU. MIG entries are left to torch (None). Assumes the
-    PCI-bus order NVML uses (``CUDA_DEVICE_ORDER=PCI_BUS_ID``; the usual order on uniform nodes).
+    ``detect`` imports this module, so importing it at the top of this one would be a cycle.
     """
-    if visible is None:
-        return list(physical)
-    chosen: list[int] = []
-    for item in (part.strip().lower() for part in visible.split(",")):
-        if item.startswith("mig-"):
-            return None
-        if item.startswith("gpu-"):
-            found = [i for i, gpu in enumerate(physical) if gpu.uuid.lower().startswith(item)]
-            index = found[0] if len(found) == 1 else -1
-        else:
-            index = int(item) if item.isdigit() else -1
-        if not 0 <= index < len(physical) or index in chosen:
-            break
-        chosen.append(index)
-    return [physical[i] for i in chosen]
+    if name == "detect_local_devices":
+        from .detect import detect_local_devices
 
-
-def _torch_cuda_built() -> bool:
-    return bool(torch.backends.cuda.is_built())
-
-
-def _torch_cuda_devices() -> list[_GpuInfo]:
-    """Fallback when NVML is unusable (ROCm, no driver library): ``torch.cuda`` (creates a context)."""
-    if not torch.cuda.is_available():
-        return []
-    kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
-    gpus = []
-    for index in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(index)
-        free: int | None = None
-        total = int(props.total_memory)
-        with contextlib.suppress(RuntimeError):
-            free, total = (int(n) for n in torch.cuda.mem_get_info(index))
-        capability = f"{props.major}.{props.minor}" if kind == "cuda" else None
-        gpus.append(_GpuInfo(props.name, total, free, kind, capability))
-    return gpus
-
-
-def _detected(name: str, kind: str, memory_bytes: int, match: DeviceSpec | None, **extra: Any) -> DeviceSpec:
-    """A detected device, with the datasheet facts of the catalog entry it matched (if any)."""
-    facts: dict[str, Any] = {"aliases": (), "bf16": False}
-    if match is not None:
-        facts = {f: getattr(match, f) for f in ("vendor", "bf16", "compute_capability", "peak_tflops")}
-        facts.update(aliases=(match.name,), memory_bandwidth_gbps=match.memory_bandwidth_gbps)
-        facts.update(price_per_hour_usd=match.price_per_hour_usd)
-    facts.update({k: v for k, v in extra.items() if v is not None})
-    return DeviceSpec(name=name, kind=kind, memory_bytes=memory_bytes, source="detected", **facts)
-
-
-def _cuda_specs(catalog: Catalog) -> list[DeviceSpec]:
-    if not _torch_cuda_built():  # a CPU-only torch cannot use the GPUs NVML would list
-        return []
-    physical = _nvml_devices()
-    gpus = None if physical is None else _visible_gpus(physical, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if gpus is None:
-        gpus = _torch_cuda_devices()
-    specs = []
-    for index, gpu in enumerate(gpus):
-        match = catalog.match_hardware_name(gpu.name, memory_bytes=gpu.total_bytes)
-        cc = gpu.compute_capability
-        bf16 = None if match or not cc else gpu.kind == "cuda" and int(cc.split(".")[0]) >= 8
-        vendor = None if match else ("amd" if gpu.kind == "rocm" else "nvidia")
-        specs.append(_detected(
-            f"cuda:{index}", gpu.kind, gpu.total_bytes, match, display_name=gpu.name, vendor=vendor,
-            bf16=bf16, compute_capability=cc, unified_memory=gpu.unified_memory, free_bytes=gpu.free_bytes,
-            index=index,
-        ))  # fmt: skip
-    return specs
-
-
-def _read_cpuinfo() -> str | None:
-    with contextlib.suppress(OSError):
-        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    return None
-
-
-def _cpu_spec(cpuinfo: str | None) -> DeviceSpec:
-    """Host RAM, and native bf16 from the CPU flags (x86 avx512_bf16/amx_bf16, Arm bf16; unknown: no)."""
-    flags: set[str] = set()
-    model = ""
-    for line in (cpuinfo or "").splitlines():
-        key, _, value = (part.strip() for part in line.partition(":"))
-        if key in ("flags", "Features"):
-            flags.update(value.split())
-        model = model or (value if key == "model name" else "")
-    ram = psutil.virtual_memory()
-    bf16 = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-    return _detected("cpu", "cpu", int(ram.total), None, display_name=model or platform.processor() or "CPU",
-                     bf16=bf16, free_bytes=int(ram.available))  # fmt: skip
-
-
-def _mps_available() -> bool:
-    mps = getattr(torch.backends, "mps", None)
-    return bool(mps is not None and mps.is_available())
-
-
-def _mps_spec(catalog: Catalog) -> DeviceSpec:
-    """The Apple GPU: unified memory, capped at Metal's recommended working set when torch says so."""
-    ram = psutil.virtual_memory()
-    total = int(ram.total)
-    with contextlib.suppress(AttributeError, RuntimeError):
-        total = min(total, int(torch.mps.recommended_max_memory()))
-    chip = ""
-    if sys.platform == "darwin":
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            cmd = ["sysctl", "-n", "machdep.cpu.brand_string"]
-            chip = subprocess.run(cmd, capture_output=True, text=True, timeout=5, check=True).stdout.strip()
-    match = catalog.match_hardware_name(chip) if chip else None  # no memory filter: RAM varies per Mac
-    return _detected("mps", "mps", total, match, display_name=chip or "Apple GPU (MPS)", vendor="apple",
-                     unified_memory=True, free_bytes=min(int(ram.available), total))  # fmt: skip
-
-
-def detect_local_devices(catalog: Catalog | None = None) -> list[DeviceSpec]:
-    """The devices of this machine: CUDA/ROCm GPUs (torch index order), then MPS, then always ``cpu``.
-
-    GPUs come from NVML (no CUDA context; ``CUDA_VISIBLE_DEVICES`` respected; NVML shut down before
-    returning), or from ``torch.cuda`` when NVML is unusable. Datasheet facts (peaks, bandwidth, bf16)
-    come from the catalog entry the driver's name matches. Never raises for missing hardware.
-    """
-    catalog = catalog if catalog is not None else load_catalog()
-    found = _cuda_specs(catalog)
-    if _mps_available():
-        found.append(_mps_spec(catalog))
-    found.append(_cpu_spec(_read_cpuinfo()))
-    return found
+        return detect_local_devices
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_device(device: str | DeviceSpec | None = "auto", catalog: Catalog | None = None) -> DeviceSpec:
@@ -618,6 +439,8 @@ def resolve_device(device: str | DeviceSpec | None = "auto", catalog: Catalog | 
     Raises:
         ConfigurationError: the device is absent or unknown; the message says what exists.
     """
+    from . import detect  # here, not at the top: detect imports this module
+
     if isinstance(device, DeviceSpec):
         return device
     if device is not None and not isinstance(device, str):
@@ -625,7 +448,7 @@ def resolve_device(device: str | DeviceSpec | None = "auto", catalog: Catalog | 
     name = "auto" if device is None else device.strip()
     catalog = catalog if catalog is not None else load_catalog()
     if name.lower() == "auto":
-        local = detect_local_devices(catalog)
+        local = detect.detect_local_devices(catalog)
         gpus = [d for d in local if d.kind in ("cuda", "rocm")]
         if gpus:  # most free memory (capacity if unknown); the lowest index on ties
             return max(
@@ -634,17 +457,17 @@ def resolve_device(device: str | DeviceSpec | None = "auto", catalog: Catalog | 
             )
         return next((d for d in local if d.kind == "mps"), local[-1])
     if name.lower() == "cpu":
-        return _cpu_spec(_read_cpuinfo())
+        return detect._cpu_spec(detect._read_cpuinfo())
     if name.lower() == "mps":
-        if not _mps_available():
+        if not detect._mps_available():
             raise ConfigurationError(
                 "`resolve_device('mps')`: no MPS device is available (needs Apple silicon and a PyTorch "
                 "build with MPS). Use 'auto' or 'cpu'."
             )
-        return _mps_spec(catalog)
+        return detect._mps_spec(catalog)
     cuda = re.fullmatch(r"cuda(?::(\d+))?", name.lower())
     if cuda is not None:
-        gpus = _cuda_specs(catalog)
+        gpus = detect._cuda_specs(catalog)
         wanted = f"cuda:{int(cuda[1] or 0)}"
         for gpu in gpus:
             if gpu.name == wanted:

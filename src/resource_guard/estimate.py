@@ -149,6 +149,12 @@ def _fake_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device="cpu")
 
 
+def _fake_scalar(t: torch.Tensor) -> torch.Tensor:
+    """A fake scalar that keeps its value (an optimizer's ``step`` is read with ``.item()``)."""
+    value = 1 if t.is_meta else t.item()
+    return torch.tensor(value, dtype=t.dtype).reshape(t.shape)
+
+
 class _FakeStep:
     """The fake model, optimizer and batch of one estimate, and the step run over them."""
 
@@ -177,8 +183,8 @@ class _FakeStep:
         if isinstance(optimizer, torch.optim.Optimizer):
             for st in optimizer.state.values():
                 for v in st.values():
-                    if isinstance(v, torch.Tensor) and v.numel() > 1:
-                        memo[id(v)] = _fake_like(v, v.dtype)
+                    if isinstance(v, torch.Tensor):
+                        memo[id(v)] = _fake_like(v, v.dtype) if v.numel() != 1 else _fake_scalar(v)
             self.optimizer = copy.deepcopy(optimizer, memo)
             self.optimizer.__dict__.pop("step", None)  # an LR scheduler's wrapper of the original's step
         else:
