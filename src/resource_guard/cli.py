@@ -104,7 +104,7 @@ def load_target(target: str, batch_size: int | None = None) -> tuple[Any, Any, A
             return built["model"], built["optimizer"], built["batch"], built.get("loss_fn")
         except KeyError as exc:
             raise _BadInput(f"the factory {target!r} returned a mapping without key {exc}.") from exc
-    if isinstance(built, Sequence) and len(built) in (3, 4):
+    if isinstance(built, Sequence) and not isinstance(built, (str, bytes)) and len(built) in (3, 4):
         model, optimizer, batch = built[:3]
         return model, optimizer, batch, built[3] if len(built) == 4 else None
     raise _BadInput(

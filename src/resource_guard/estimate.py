@@ -8,15 +8,17 @@ by category. The caller's model, optimizer, batch and RNG state are left untouch
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import _kernels
@@ -227,6 +229,33 @@ class _FakeStep:
         opt.zero_grad(set_to_none=True)
 
 
+@contextlib.contextmanager
+def _fused_attention() -> Iterator[None]:
+    """Trace ``scaled_dot_product_attention`` as a fused (flash / memory-efficient) kernel.
+
+    On CUDA, PyTorch picks a fused SDPA kernel that keeps the output and a log-sum-exp per row
+    instead of the (batch, heads, seq, seq) attention matrix; CPU tracing would take the math path.
+    The CPU flash kernel has the same memory shape, so it stands in for the GPU's.
+    """
+    original = F.scaled_dot_product_attention
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        try:
+            if enable_gqa and key.shape[-3] != query.shape[-3]:
+                repeat = query.shape[-3] // key.shape[-3]
+                key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+            return fused(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        except Exception:  # shapes or dtypes the fused kernel refuses: the GPU would fall back too
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original  # type: ignore[assignment]
+
+
 def _phase_of(key: str) -> str:
     return key.split(":")[0]
 
@@ -279,7 +308,8 @@ def _trace(
     tracker = StorageTracker(_kernels.kernel_extra)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     spans: list[tuple[str, int, int]] = []
-    with fake_mode, tracker:
+    fused = _fused_attention() if device_kind in ("cuda", "rocm") else contextlib.nullcontext()
+    with fused, fake_mode, tracker:
         world = _FakeStep(model, optimizer, batch, spec, tracker)
         world.warm_up_optimizer()
         for st in world.optimizer.state.values():
