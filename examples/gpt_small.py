@@ -31,4 +31,6 @@ if __name__ == "__main__":
 
     est = estimate_memory(*build(), precision="bf16-mixed")
     fit = est.for_device("a100-40gb")
-    print(f"peak {est.peak_bytes / 2**30:.2f} GiB; on a100-40gb: {fit.device_total_bytes / 2**30:.2f} GiB, fits={fit.fits}")
+    print(
+        f"peak {est.peak_bytes / 2**30:.2f} GiB; on a100-40gb: {fit.device_total_bytes / 2**30:.2f} GiB, fits={fit.fits}"
+    )

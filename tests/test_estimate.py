@@ -38,7 +38,9 @@ def _check_against_truth(build, precision: str = "32-true", tolerance: float = 0
 def test_linear_adamw_categories_are_exact():
     model = nn.Linear(512, 512, bias=False)
     p_bytes = 512 * 512 * F32
-    est = estimate_memory(model, torch.optim.AdamW(model.parameters()), torch.randn(2, 512), _sum_loss, device="cpu")
+    est = estimate_memory(
+        model, torch.optim.AdamW(model.parameters()), torch.randn(2, 512), _sum_loss, device="cpu"
+    )
     assert set(est.breakdown) == set(CATEGORIES)
     assert est.breakdown["parameters"] == p_bytes
     # exp_avg and exp_avg_sq, plus the 4-byte `step` scalar
@@ -54,7 +56,9 @@ def test_sgd_momentum_keeps_one_state_and_plain_sgd_none():
     model = nn.Linear(256, 256, bias=False)
     p_bytes = 256 * 256 * F32
     batch = torch.randn(2, 256)
-    with_momentum = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), batch, _sum_loss)
+    with_momentum = estimate_memory(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), batch, _sum_loss
+    )
     plain = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, _sum_loss)
     assert with_momentum.breakdown["optimizer_state"] == p_bytes
     assert plain.breakdown["optimizer_state"] == 0
@@ -79,14 +83,18 @@ def test_tied_weights_are_counted_once():
     head = nn.Linear(64, 1000, bias=False)
     head.weight = emb.weight
     model = nn.Sequential(emb, head)
-    est = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randint(0, 1000, (4, 8)), _sum_loss)
+    est = estimate_memory(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randint(0, 1000, (4, 8)), _sum_loss
+    )
     assert est.breakdown["parameters"] == 1000 * 64 * F32
     assert est.parameter_count == 1000 * 64
 
 
 def test_buffers_count_as_other():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
-    est = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 3, 8, 8), _sum_loss)
+    est = estimate_memory(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 3, 8, 8), _sum_loss
+    )
     # running_mean, running_var (8 floats each) and num_batches_tracked (one int64)
     assert est.breakdown["other"] == 8 * F32 * 2 + 8
 
@@ -99,8 +107,13 @@ def test_optimizer_factory_is_accepted():
 
 def test_bf16_true_halves_parameter_bytes():
     model = nn.Linear(256, 256, bias=False)
-    est = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 256), _sum_loss,
-                          precision="bf16-true")
+    est = estimate_memory(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.randn(2, 256),
+        _sum_loss,
+        precision="bf16-true",
+    )
     assert est.breakdown["parameters"] == 256 * 256 * 2
 
 
@@ -121,8 +134,12 @@ def test_foreach_adamw_on_cuda_holds_one_more_parameter_copy():
 def test_explicit_foreach_setting_is_kept():
     model = nn.Linear(512, 512, bias=False)
     batch = torch.randn(1, 512)
-    cuda = estimate_memory(model, torch.optim.AdamW(model.parameters(), foreach=False), batch, _sum_loss, device="cuda")
-    cpu = estimate_memory(model, torch.optim.AdamW(model.parameters(), foreach=False), batch, _sum_loss, device="cpu")
+    cuda = estimate_memory(
+        model, torch.optim.AdamW(model.parameters(), foreach=False), batch, _sum_loss, device="cuda"
+    )
+    cpu = estimate_memory(
+        model, torch.optim.AdamW(model.parameters(), foreach=False), batch, _sum_loss, device="cpu"
+    )
     assert cuda.peak_bytes == cpu.peak_bytes
     assert "optimizer:as-set" in cuda.phase_peak_bytes
 
@@ -131,8 +148,11 @@ def test_explicit_foreach_setting_is_kept():
 def _mlp():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.LayerNorm(512), nn.Linear(512, 10))
-    return model, torch.optim.AdamW(model.parameters()), (torch.randn(64, 128), torch.randint(0, 10, (64,))), (
-        lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])
+    return (
+        model,
+        torch.optim.AdamW(model.parameters()),
+        (torch.randn(64, 128), torch.randint(0, 10, (64,))),
+        (lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])),
     )
 
 
@@ -140,9 +160,15 @@ class _ConvBN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1, stride=2),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(32, 10),
         )
 
     def forward(self, x, y):
@@ -171,7 +197,12 @@ class _Recurrent(nn.Module):
 def _lstm():
     torch.manual_seed(0)
     model = _Recurrent(nn.LSTM)
-    return model, torch.optim.AdamW(model.parameters()), (torch.randint(0, 500, (4, 32)), torch.randint(0, 500, (4, 32))), None
+    return (
+        model,
+        torch.optim.AdamW(model.parameters()),
+        (torch.randint(0, 500, (4, 32)), torch.randint(0, 500, (4, 32))),
+        None,
+    )
 
 
 @pytest.mark.parametrize("build", [_mlp, _conv, _lstm], ids=["mlp", "conv-batchnorm", "lstm"])
@@ -323,7 +354,9 @@ def test_non_scalar_output_asks_for_a_loss_fn():
 def test_unknown_precision_is_refused():
     model = nn.Linear(4, 4)
     with pytest.raises(ConfigurationError, match="bf16-mixed"):
-        estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4), precision="fp8")
+        estimate_memory(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4), precision="fp8"
+        )
 
 
 # -- properties --------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ allocator model in :mod:`resource_guard.allocator` adds what only CUDA has.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,7 +70,9 @@ def _signature(func: Any, args: tuple, kwargs: dict) -> tuple:
 _CACHE: dict[tuple, KernelExtra] = {}
 
 
-def _probe(func: Any, args: tuple, kwargs: dict, size_of: Callable[[torch.Tensor], int | None]) -> KernelExtra:
+def _probe(
+    func: Any, args: tuple, kwargs: dict, size_of: Callable[[torch.Tensor], int | None]
+) -> KernelExtra:
     from .measure import allocation_deltas
 
     def real(a: Any) -> Any:
@@ -83,9 +85,14 @@ def _probe(func: Any, args: tuple, kwargs: dict, size_of: Callable[[torch.Tensor
 
     with _disable_current_modes():
         real_args, real_kwargs = tree_map(real, (args, kwargs))
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((real_args, real_kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        inputs = {
+            id(t.untyped_storage())
+            for t in tree_flatten((real_args, real_kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as prof:
             out = func(*real_args, **real_kwargs)
         running = peak = 0
         for _, size in allocation_deltas(prof):

@@ -212,7 +212,9 @@ class StorageTracker(TorchDispatchMode):
         with _disable_current_modes():
             return func(*real_args, **real_kwargs)
 
-    def _attach_shadows(self, out: Any, real_out: Any, func: Any, args: tuple, kwargs: dict, real: Any) -> None:
+    def _attach_shadows(
+        self, out: Any, real_out: Any, func: Any, args: tuple, kwargs: dict, real: Any
+    ) -> None:
         fakes, _ = tree_flatten(out)
         reals, _ = tree_flatten(real_out)
         for f, r in zip(fakes, reals):
@@ -271,7 +273,11 @@ class StorageTracker(TorchDispatchMode):
         return self._after(func, args, kwargs, out)
 
     def _after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        extra = self._kernel_extra(func, args, kwargs, out, self.size_of) if self._kernel_extra is not None else None
+        extra = (
+            self._kernel_extra(func, args, kwargs, out, self.size_of)
+            if self._kernel_extra is not None
+            else None
+        )
         sizes = extra.output_bytes if extra is not None else ()
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         for i, t in enumerate(outputs):

@@ -232,7 +232,9 @@ def device_fit(
         if path in estimate.phase_peak_bytes:
             others = [v for k, v in estimate.phase_peak_bytes.items() if not k.startswith("optimizer")]
             peak = max([estimate.phase_peak_bytes[path], *others])
-            notes.append(f"estimated for {estimate.device_kind}; the {path.split(':')[1]} optimizer path used here")
+            notes.append(
+                f"estimated for {estimate.device_kind}; the {path.split(':')[1]} optimizer path used here"
+            )
     capacity = spec.free_bytes if spec.free_bytes is not None else spec.memory_bytes
     if gpu_kind:
         workspace = _cublas_workspace_bytes(spec.compute_capability)

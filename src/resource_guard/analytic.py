@@ -84,7 +84,9 @@ def analytic_estimate(
     if spec.autocast_dtype is not None:
         activations += trainable_bytes // 2  # autocast's low-precision copies of the weights
     temporaries = trainable_bytes if device_kind in ("cuda", "rocm") else trainable_bytes // 4
-    known = param_bytes + buffer_bytes + (1 + states) * trainable_bytes + input_bytes + activations + temporaries
+    known = (
+        param_bytes + buffer_bytes + (1 + states) * trainable_bytes + input_bytes + activations + temporaries
+    )
     temporaries += known // 4 + _SLACK_BYTES  # margin: never optimistic
     breakdown = dict.fromkeys(CATEGORIES, 0)
     breakdown.update(

@@ -61,7 +61,9 @@ def _import_factory(target: str) -> Any:
         try:
             spec.loader.exec_module(module)
         except Exception as exc:
-            raise _BadInput(f"TARGET {target!r}: importing {str(file)!r} raised {type(exc).__name__}: {exc}") from exc
+            raise _BadInput(
+                f"TARGET {target!r}: importing {str(file)!r} raised {type(exc).__name__}: {exc}"
+            ) from exc
         finally:
             sys.path.pop(0)
     else:
@@ -70,11 +72,15 @@ def _import_factory(target: str) -> Any:
         except ImportError as exc:
             raise _BadInput(f"TARGET {target!r}: cannot import module {path!r} ({exc}).") from exc
         except Exception as exc:
-            raise _BadInput(f"TARGET {target!r}: importing {path!r} raised {type(exc).__name__}: {exc}") from exc
+            raise _BadInput(
+                f"TARGET {target!r}: importing {path!r} raised {type(exc).__name__}: {exc}"
+            ) from exc
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-        raise _BadInput(f"TARGET {target!r}: {path!r} has no callable {attr!r}; callables there: {', '.join(names)}.")
+        raise _BadInput(
+            f"TARGET {target!r}: {path!r} has no callable {attr!r}; callables there: {', '.join(names)}."
+        )
     return factory
 
 
@@ -151,7 +157,9 @@ def _print_report(target: str, estimate: Any, fit: Any, others: list[Any], headr
     if fit.fits:
         out(f"  FITS, {format_bytes(fit.usable_bytes - fit.device_total_bytes)} to spare within the headroom")
     else:
-        out(f"  DOES NOT FIT: needs {format_bytes(fit.device_total_bytes - fit.usable_bytes)} more than usable")
+        out(
+            f"  DOES NOT FIT: needs {format_bytes(fit.device_total_bytes - fit.usable_bytes)} more than usable"
+        )
     if others:
         yes = [f.device.name for f in others if f.fits]
         no = [f.device.name for f in others if not f.fits]
@@ -199,7 +207,9 @@ def _devices(args: argparse.Namespace) -> int:
         rows = [_spec_dict(catalog.get(n)) for n in catalog.names()]
         print(json.dumps({"catalog": rows, "detected": [_spec_dict(d) for d in local]}, indent=2))
         return 0
-    print(f"{'name':<14}{'kind':<6}{'memory':>12}  {'bf16':<5}{'cc':<5}{'bf16 TFLOP/s':>13}{'GB/s':>8}{'$/h':>7}")
+    print(
+        f"{'name':<14}{'kind':<6}{'memory':>12}  {'bf16':<5}{'cc':<5}{'bf16 TFLOP/s':>13}{'GB/s':>8}{'$/h':>7}"
+    )
     for name in catalog.names():
         d = catalog.get(name)
         bf16 = d.peak_tflops.get("bf16")
@@ -242,9 +252,13 @@ def _parser() -> argparse.ArgumentParser:
         help=f"path/to/file.py:factory or package.module:factory (default: {DEFAULT_TARGET})",
     )
     pre.add_argument("--batch-size", type=int, default=None, help="passed to the factory as batch_size")
-    pre.add_argument("--precision", default="32-true", help="32-true, 16-mixed, bf16-mixed, 16-true, bf16-true")
+    pre.add_argument(
+        "--precision", default="32-true", help="32-true, 16-mixed, bf16-mixed, 16-true, bf16-true"
+    )
     pre.add_argument("--device", default="auto", help="a catalog name (a100-40gb), cpu, cuda[:N] or auto")
-    pre.add_argument("--headroom", type=float, default=0.1, help="fraction of memory to keep free (default 0.1)")
+    pre.add_argument(
+        "--headroom", type=float, default=0.1, help="fraction of memory to keep free (default 0.1)"
+    )
     pre.add_argument("--catalog", default=None, help="a YAML device catalog merged over the bundled one")
     pre.add_argument("--json", action="store_true", help="print JSON instead of tables")
     dev = sub.add_parser("devices", help="list the device catalog and the devices detected here")

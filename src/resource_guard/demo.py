@@ -23,21 +23,34 @@ class TinyGPT(nn.Module):
     """
 
     def __init__(
-        self, vocab_size: int = 8192, d_model: int = 256, n_layers: int = 4, n_heads: int = 4, seq_len: int = 256
+        self,
+        vocab_size: int = 8192,
+        d_model: int = 256,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        seq_len: int = 256,
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
         self.blocks = nn.ModuleList(
             nn.TransformerEncoderLayer(
-                d_model, n_heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True, activation="gelu"
+                d_model,
+                n_heads,
+                4 * d_model,
+                dropout=0.0,
+                batch_first=True,
+                norm_first=True,
+                activation="gelu",
             )
             for _ in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied weights
-        self.register_buffer("causal_mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+        self.register_buffer(
+            "causal_mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False
+        )
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn import functional as F
 
 from . import _kernels
 from ._tracer import CATEGORIES, PeakRecord, StorageTracker
@@ -161,7 +161,12 @@ class _FakeStep:
     """The fake model, optimizer and batch of one estimate, and the step run over them."""
 
     def __init__(
-        self, model: nn.Module, optimizer: OptimizerArg, batch: Any, spec: PrecisionSpec, tracker: StorageTracker
+        self,
+        model: nn.Module,
+        optimizer: OptimizerArg,
+        batch: Any,
+        spec: PrecisionSpec,
+        tracker: StorageTracker,
     ) -> None:
         self.spec = spec
         cast = spec.param_dtype if spec.param_dtype != torch.float32 else None
@@ -247,7 +252,9 @@ def _fused_attention() -> Iterator[None]:
                 key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
             return fused(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
         except Exception:  # shapes or dtypes the fused kernel refuses: the GPU would fall back too
-            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+            return original(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )
 
     F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
     try:
@@ -277,7 +284,9 @@ def _select(tracker: StorageTracker, variant: str) -> tuple[PeakRecord, dict[str
     return best, phase_peaks
 
 
-def _events_for(tracker: StorageTracker, spans: list[tuple[str, int, int]], variant: str) -> list[tuple[int, int]]:
+def _events_for(
+    tracker: StorageTracker, spans: list[tuple[str, int, int]], variant: str
+) -> list[tuple[int, int]]:
     skip = [(a, b) for key, a, b in spans if key.startswith("optimizer:") and key != f"optimizer:{variant}"]
     if not skip:
         return list(tracker.events)
@@ -360,7 +369,7 @@ def _trace(
         f" ({count}x)"
         for name, count in tracker.assumptions.items()
     ]
-    keep = (lambda ph: not ph.startswith("optimizer:") or ph == f"optimizer:{variant}")  # noqa: E731
+    keep = lambda ph: not ph.startswith("optimizer:") or ph == f"optimizer:{variant}"  # noqa: E731
     persistent = sum(best.breakdown[c] for c in ("parameters", "optimizer_state", "other"))
     return MemoryEstimate(
         peak_bytes=best.bytes,
@@ -434,7 +443,9 @@ def estimate_memory(
         except Exception as exc:  # the trace could not run this model: fall back, conservatively
             from .analytic import analytic_estimate
 
-            reason = f"tracing failed ({type(exc).__name__}: {_first_line(exc)}); analytic estimate, conservative"
+            reason = (
+                f"tracing failed ({type(exc).__name__}: {_first_line(exc)}); analytic estimate, conservative"
+            )
             warnings.warn(reason, ResourceGuardWarning, stacklevel=2)
             return analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
 
