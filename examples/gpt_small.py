@@ -2,7 +2,8 @@
 
 Used as a pre-flight target::
 
-    resource-guard preflight examples/gpt_small.py:build --device a100-40gb --batch-size 32 --precision bf16-mixed
+    resource-guard preflight examples/gpt_small.py:build --device a100-40gb --batch-size 32 \
+        --precision bf16-mixed
 
 ``build`` returns ``(model, optimizer, batch)``; the model computes its own loss from ``labels``.
 """
@@ -32,5 +33,6 @@ if __name__ == "__main__":
     est = estimate_memory(*build(), precision="bf16-mixed")
     fit = est.for_device("a100-40gb")
     print(
-        f"peak {est.peak_bytes / 2**30:.2f} GiB; on a100-40gb: {fit.device_total_bytes / 2**30:.2f} GiB, fits={fit.fits}"
+        f"peak {est.peak_bytes / 2**30:.2f} GiB; "
+        f"on a100-40gb: {fit.device_total_bytes / 2**30:.2f} GiB, fits={fit.fits}"
     )

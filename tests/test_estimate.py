@@ -1,4 +1,5 @@
-"""The estimator: exact categories on hand-countable models, agreement with real CPU steps, no side effects."""
+"""The estimator: exact categories on hand-countable models, agreement with real CPU steps,
+no side effects."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ each assumption is reported.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections.abc import Callable
@@ -81,14 +82,14 @@ class StorageTracker(TorchDispatchMode):
     """Counts live storage bytes by category while a step runs on fake tensors.
 
     Args:
-        kernel_extra: ``(func, args, kwargs, out) -> KernelExtra | None``: scratch memory the real
+        kernel_extra: ``(func, args, kwargs, out, size_of) -> KernelExtra | None``: scratch memory the real
             kernel allocates and frees inside the operator, and its true output sizes.
         record_timeline: keep the live total by category after every operator.
     """
 
     def __init__(
         self,
-        kernel_extra: Callable[[Any, tuple, dict, Any], Any] | None = None,
+        kernel_extra: Callable[..., Any] | None = None,
         *,
         record_timeline: bool = True,
     ) -> None:
@@ -266,10 +267,9 @@ class StorageTracker(TorchDispatchMode):
                 self.shadows[out] = real_out
                 real = None
         if real is not None:
-            try:
+            # a shadow is a nicety: the fake result stands on its own
+            with contextlib.suppress(Exception):
                 self._attach_shadows(out, self._run_shadow(func, *real), func, args, kwargs, real)
-            except Exception:  # a shadow is a nicety: the fake result stands on its own
-                pass
         return self._after(func, args, kwargs, out)
 
     def _after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:

@@ -48,7 +48,10 @@ def _cublas_workspace_bytes(compute_capability: str | None) -> int:
 
 @dataclass(frozen=True)
 class AllocatorPeaks:
-    """Peaks of the caching allocator model: ``allocated`` (rounded live blocks) and ``reserved`` (segments)."""
+    """Peaks of the caching allocator model.
+
+    ``allocated``: rounded live blocks; ``reserved``: segments.
+    """
 
     allocated_peak_bytes: int
     reserved_peak_bytes: int
@@ -223,7 +226,7 @@ def device_fit(
 
     if not 0 <= headroom < 0.9:
         raise ConfigurationError(f"`for_device(headroom={headroom!r})` must be in [0, 0.9)")
-    spec = device if hasattr(device, "kind") else resolve_device(device, catalog)
+    spec = resolve_device(device, catalog) if isinstance(device, str) else device
     notes: list[str] = []
     peak = estimate.peak_bytes
     gpu_kind = spec.kind in ("cuda", "rocm")

@@ -3,7 +3,8 @@
 Parameters, gradients and optimizer state are exact (they follow from the parameters and the
 optimizer's type). Activations cannot be known without running the model; the fallback assumes every
 leaf module keeps an output as wide as the widest layer for every position of the batch, twice over,
-which overstates typical models, and adds a quarter plus 1 MiB for what it cannot see. Callers see ``method="analytic"`` and the reason in ``warnings``.
+which overstates typical models, and adds a quarter plus 1 MiB for what it cannot see.
+Callers see ``method="analytic"`` and the reason in ``warnings``.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def load_target(target: str, batch_size: int | None = None) -> tuple[Any, Any, A
     )
 
 
-def _fit_rows(estimate: Any, device: str, headroom: float, catalog: Any) -> tuple[Any, list[Any]]:
+def _fit_rows(estimate: Any, device: Any, headroom: float, catalog: Any) -> tuple[Any, list[Any]]:
     main = estimate.for_device(device, headroom=headroom, catalog=catalog)
     others = []
     if catalog is not None:
@@ -158,7 +158,8 @@ def _print_report(target: str, estimate: Any, fit: Any, others: list[Any], headr
         out(f"  FITS, {format_bytes(fit.usable_bytes - fit.device_total_bytes)} to spare within the headroom")
     else:
         out(
-            f"  DOES NOT FIT: needs {format_bytes(fit.device_total_bytes - fit.usable_bytes)} more than usable"
+            "  DOES NOT FIT: needs "
+            f"{format_bytes(fit.device_total_bytes - fit.usable_bytes)} more than usable"
         )
     if others:
         yes = [f.device.name for f in others if f.fits]
@@ -208,7 +209,8 @@ def _devices(args: argparse.Namespace) -> int:
         print(json.dumps({"catalog": rows, "detected": [_spec_dict(d) for d in local]}, indent=2))
         return 0
     print(
-        f"{'name':<14}{'kind':<6}{'memory':>12}  {'bf16':<5}{'cc':<5}{'bf16 TFLOP/s':>13}{'GB/s':>8}{'$/h':>7}"
+        f"{'name':<14}{'kind':<6}{'memory':>12}  {'bf16':<5}{'cc':<5}"
+        f"{'bf16 TFLOP/s':>13}{'GB/s':>8}{'$/h':>7}"
     )
     for name in catalog.names():
         d = catalog.get(name)

@@ -32,8 +32,8 @@ class TinyGPT(nn.Module):
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab_size, d_model)
-        self.pos = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(
+        self.pos: nn.Embedding = nn.Embedding(seq_len, d_model)
+        self.blocks: nn.ModuleList = nn.ModuleList(
             nn.TransformerEncoderLayer(
                 d_model,
                 n_heads,
@@ -55,7 +55,7 @@ class TinyGPT(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
         x = self.embed(tokens) + self.pos.weight[:seq]
-        mask = self.causal_mask[:seq, :seq]
+        mask = self.get_buffer("causal_mask")[:seq, :seq]
         for block in self.blocks:
             x = block(x, src_mask=mask, is_causal=True)
         logits = self.head(self.norm(x))

@@ -128,8 +128,9 @@ def _check_inputs(model: Any, optimizer: Any, batch: Any) -> None:
         if foreign:
             shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
             raise ConfigurationError(
-                f"the optimizer holds {len(foreign)} parameter(s) that are not the model's (shapes {shapes}); "
-                "build it over `model.parameters()`, or pass a factory `lambda params: torch.optim.AdamW(params)`."
+                f"the optimizer holds {len(foreign)} parameter(s) that are not the model's "
+                f"(shapes {shapes}); build it over `model.parameters()`, or pass a factory "
+                "`lambda params: torch.optim.AdamW(params)`."
             )
     elif not callable(optimizer):
         raise ConfigurationError(
@@ -198,7 +199,8 @@ class _FakeStep:
             self.optimizer = optimizer([p for p in self.params if p.requires_grad])
             if not isinstance(self.optimizer, torch.optim.Optimizer):
                 raise ConfigurationError(
-                    f"the optimizer factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer."
+                    f"the optimizer factory returned {type(self.optimizer).__name__}, "
+                    "not a torch.optim.Optimizer."
                 )
 
         def fake_input(t: torch.Tensor) -> torch.Tensor:
@@ -365,7 +367,8 @@ def _trace(
     best, phase_peaks = _select(tracker, variant)
     params = {id(p): p for p in model.parameters()}.values()
     notes = [
-        f"`{name}` depends on tensor values; assumed {'every element' if name != '_local_scalar_dense' else '0'}"
+        f"`{name}` depends on tensor values; assumed "
+        f"{'every element' if name != '_local_scalar_dense' else '0'}"
         f" ({count}x)"
         for name, count in tracker.assumptions.items()
     ]
