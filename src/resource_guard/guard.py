@@ -1,0 +1,432 @@
+"""The plain-PyTorch front door: ``with guard(model, optimizer) as g: ...``.
+
+On enter the guard plans the run (device, precision, activation checkpointing, micro-batch and
+gradient accumulation) from a sample batch — or, lazily, from the first batch of
+:meth:`Guard.iterate` — and fails fast with :class:`~resource_guard.errors.DoesNotFitError` before any
+step when nothing fits. It then moves the model and the optimizer state to the device, applies
+checkpointing, and keeps a GradScaler for ``16-mixed``. In the loop, :meth:`Guard.iterate` moves
+batches to the device, times the data wait and yields micro-batches; :meth:`Guard.autocast` is the
+precision's autocast; :meth:`Guard.backward` scales the loss for accumulation (and loss scaling) and
+steps and zeroes the optimizer when an effective batch is complete. On exit — also on an exception or
+``KeyboardInterrupt`` — it stops what it started, writes what it measured next to the estimate into
+the log dir, and lets the user's exception through unchanged.
+
+Example:
+    >>> import torch
+    >>> from resource_guard import guard
+    >>> model = torch.nn.Linear(8, 1)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> data = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(2)]
+    >>> with guard(model, optimizer, device="cpu", monitor=False) as g:
+    ...     for x, y in g.iterate(data):
+    ...         with g.autocast():
+    ...             loss = torch.nn.functional.mse_loss(model(x), y)
+    ...         g.backward(loss)
+    >>> g.optimizer_steps
+    2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .errors import ConfigurationError, ResourceGuardWarning
+from .precision import autocast_context, parse_precision
+from .step import LossFn, batch_size_of, map_tensors
+
+if TYPE_CHECKING:
+    from .devices import DeviceSpec
+    from .plan import Plan
+
+__all__ = ["Guard", "guard", "split_batch", "torch_device_of"]
+
+
+def split_batch(batch: Any, size: int) -> list[Any]:
+    """Split a nested batch along dim 0 into chunks of at most ``size`` (views, no copies).
+
+    Non-tensor leaves and 0-d tensors are shared by every chunk.
+
+    >>> [b.shape[0] for b in split_batch(torch.zeros(10, 3), 4)]
+    [4, 4, 2]
+    """
+    n = batch_size_of(batch)
+    if n is None:
+        raise ConfigurationError(
+            "cannot split this batch into micro-batches: its tensors do not share one leading (batch) "
+            "dimension. Give every tensor the batch as dim 0, or pass `target_batch_size` equal to the "
+            "loader's batch size so no split is needed."
+        )
+    if size >= n:
+        return [batch]
+    return [
+        map_tensors(lambda t, s=start: t[s : s + size] if t.dim() > 0 else t, batch)
+        for start in range(0, n, size)
+    ]
+
+
+def torch_device_of(spec: DeviceSpec) -> torch.device:
+    """The torch device a (detected) :class:`DeviceSpec` names.
+
+    Raises:
+        ConfigurationError: ``spec`` is a catalog device that is not on this machine.
+    """
+    if spec.kind == "cpu":
+        return torch.device("cpu")
+    if spec.kind == "mps":
+        return torch.device("mps")
+    if spec.source == "detected" and spec.index is not None:
+        return torch.device("cuda", spec.index)
+    raise ConfigurationError(
+        f"device {spec.name!r} is a catalog entry, not a device on this machine: training needs a real "
+        "device. Use device='auto' (or 'cuda:N' / 'cpu'), with `memory_limit=` to plan under a cap; use "
+        "`plan(..., device=...)` or `resource-guard preflight --device` for what-if questions."
+    )
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            # Adam's `step` stays on the CPU unless capturable/fused: leave scalars where they are
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
+                state[key] = value.to(device)
+
+
+class Guard:
+    """The context manager returned by :func:`guard`; see the module docstring.
+
+    Attributes:
+        plan: the :class:`~resource_guard.plan.Plan` once made (``None`` before the first batch when
+            no ``sample_batch`` was given).
+        device: the torch device the run uses (``None`` until planned).
+        optimizer_steps: optimizer steps taken (skipped GradScaler steps included).
+        micro_steps: micro-batches processed.
+        report: the monitor's report after exit (``None`` when monitoring is off).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        sample_batch: Any = None,
+        loss_fn: LossFn | None = None,
+        target_batch_size: int | None = None,
+        device: str | DeviceSpec = "auto",
+        precision: str = "auto",
+        checkpointing: bool | str = "auto",
+        memory_limit: int | str | None = None,
+        headroom: float = 0.1,
+        log_dir: str | os.PathLike[str] | None = None,
+        clip_grad_norm: float | None = None,
+        monitor: bool = True,
+        profile: Any = True,
+        catalog: Any = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigurationError(
+                f"`guard(model=...)` must be a torch.nn.Module, got {type(model).__name__}."
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigurationError(
+                f"`guard(optimizer=...)` must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
+            )
+        if target_batch_size is not None and (
+            isinstance(target_batch_size, bool)
+            or not isinstance(target_batch_size, int)
+            or target_batch_size <= 0
+        ):
+            raise ConfigurationError(
+                f"`guard(target_batch_size={target_batch_size!r})` must be a positive int."
+            )
+        if not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
+            raise ConfigurationError(f"`guard(headroom={headroom!r})` must be in [0, 0.9).")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ConfigurationError(f"`guard(clip_grad_norm={clip_grad_norm!r})` must be > 0 or None.")
+        if precision != "auto":
+            parse_precision(precision)  # an unknown name fails here, before anything else
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self._sample_batch = sample_batch
+        self._target = target_batch_size
+        self._plan_kwargs: dict[str, Any] = {
+            "device": device,
+            "precision": precision,
+            "checkpointing": checkpointing,
+            "memory_limit": memory_limit,
+            "headroom": headroom,
+            "catalog": catalog,
+        }
+        self._log_dir = Path(log_dir) if log_dir is not None else None
+        self._clip = clip_grad_norm
+        self._monitor_on, self._profile = monitor, profile
+        self.plan: Plan | None = None
+        self.device: torch.device | None = None
+        self.optimizer_steps = 0
+        self.micro_steps = 0
+        self.report: Any = None
+        self._monitor: Any = None
+        self._scaler: torch.amp.GradScaler | None = None
+        self._ckpt: Any = None
+        self._entered = False
+        self._pending = 0  # samples accumulated since the last optimizer step
+        self._current_micro = 0  # size of the micro-batch being processed
+        self._started = 0.0
+
+    # ------------------------------------------------------------------------------------------------
+    # context manager
+
+    def __enter__(self) -> Guard:
+        if self._entered:
+            raise ConfigurationError("this guard is already in use; create a new `guard(...)` per run.")
+        self._entered = True
+        self._started = time.perf_counter()
+        if self._log_dir is not None:
+            _check_writable(self._log_dir)
+        if self._sample_batch is not None:
+            self._setup(self._sample_batch)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self._teardown(exc)
+        except Exception as error:  # our own clean-up never replaces the user's exception
+            warnings.warn(f"resource_guard: clean-up failed: {error!r}", ResourceGuardWarning, stacklevel=2)
+        # returning None lets the user's exception (if any) through unchanged
+
+    # ------------------------------------------------------------------------------------------------
+    # set-up
+
+    def _setup(self, batch: Any) -> None:
+        from .plan import plan
+
+        target = self._target if self._target is not None else batch_size_of(batch)
+        if target is None:
+            raise ConfigurationError(
+                "cannot tell the batch size of the sample batch (its tensors do not share dim 0); pass "
+                "`target_batch_size=`."
+            )
+        self._target = target
+        made = plan(
+            self.model,
+            self.optimizer,
+            batch,
+            self.loss_fn,
+            target_batch_size=target,
+            **self._plan_kwargs,
+        )
+        device = torch_device_of(made.device)
+        self.plan, self.device = made, device
+        self.model.to(device)
+        _move_optimizer_state(self.optimizer, device)
+        if made.checkpointing:
+            from .checkpointing import apply_checkpointing
+
+            self._ckpt = apply_checkpointing(self.model)
+        spec = parse_precision(made.precision)
+        if spec.param_dtype != torch.float32:
+            self.model.to(spec.param_dtype)
+        if spec.loss_scaling:
+            self._scaler = torch.amp.GradScaler(device.type)
+        if self._monitor_on:
+            self._start_monitor(batch)
+
+    def _start_monitor(self, batch: Any) -> None:
+        try:
+            from .monitor import RunMonitor
+
+            plan = self.plan
+            assert plan is not None
+            self._monitor = RunMonitor(
+                self._log_dir,
+                device=self.device or "cpu",
+                estimate=plan.estimate,
+                capacity_bytes=plan.fit.capacity_bytes,
+                device_spec=plan.device,
+                profile=self._profile,
+                precision=plan.precision,
+            )
+            self._monitor.start()
+        except ConfigurationError:
+            raise
+        except Exception as error:
+            warnings.warn(
+                f"resource_guard: monitoring is off for this run: {error!r}",
+                ResourceGuardWarning,
+                stacklevel=3,
+            )
+            self._monitor = None
+
+    # ------------------------------------------------------------------------------------------------
+    # the loop
+
+    def iterate(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Yield the loader's batches as device-resident micro-batches of the planned size.
+
+        The first batch plans the run when no ``sample_batch`` was given. The time spent waiting for
+        each batch is measured; batches from a loader with ``pin_memory=True`` are copied with
+        ``non_blocking=True``. At the end, a partial effective batch (fewer samples than the target)
+        still takes an optimizer step, with its gradients rescaled to that batch's mean.
+        """
+        if not self._entered:
+            raise ConfigurationError("call `g.iterate(...)` inside `with guard(...) as g:`.")
+        non_blocking = bool(getattr(loader, "pin_memory", False))
+        for batch in loader:
+            if self.plan is None:
+                self._setup(batch)
+            self._call_monitor("batch_ready", batch)
+            device = self.device
+            assert device is not None and self.plan is not None
+            moved = _to_device(batch, device, non_blocking)
+            for micro in split_batch(moved, self.plan.micro_batch_size):
+                self._current_micro = batch_size_of(micro) or 1
+                yield micro
+                self.micro_steps += 1
+            self._call_monitor("step_end")
+        if self._pending:
+            self._finish_partial_step()
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Autocast for the planned precision on the planned device (a no-op for ``*-true``)."""
+        if self.plan is None or self.device is None:
+            raise ConfigurationError("`g.autocast()` is only valid once the run is planned (inside iterate).")
+        return autocast_context(parse_precision(self.plan.precision), self.device.type)
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """Backward of a micro-batch's mean loss; steps the optimizer when the effective batch is done.
+
+        The loss is weighted by ``micro-batch size / target batch size`` so the accumulated gradient is
+        that of the mean over the effective batch. Returns True when an optimizer step was taken.
+        """
+        if self.plan is None or self._target is None:
+            raise ConfigurationError("`g.backward(loss)` must follow a batch from `g.iterate(loader)`.")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ConfigurationError(f"`g.backward(loss)` needs a scalar loss tensor, got {shape}.")
+        size = self._current_micro or 1
+        scaled = loss * (size / self._target)
+        if self._scaler is not None:
+            scaled = self._scaler.scale(scaled)
+        scaled.backward()
+        self._pending += size
+        if self._pending >= self._target:
+            self._optimizer_step()
+            return True
+        return False
+
+    def _finish_partial_step(self) -> None:
+        assert self._target is not None
+        factor = self._target / self._pending
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+        self._optimizer_step()
+
+    def _optimizer_step(self) -> None:
+        if self._scaler is not None:
+            if self._clip is not None:
+                self._scaler.unscale_(self.optimizer)
+                self._clip_grads()
+            self._scaler.step(self.optimizer)
+            self._scaler.update()
+        else:
+            if self._clip is not None:
+                self._clip_grads()
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pending = 0
+        self.optimizer_steps += 1
+
+    def _clip_grads(self) -> None:
+        assert self._clip is not None
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        torch.nn.utils.clip_grad_norm_(params, self._clip)
+
+    def _call_monitor(self, name: str, *args: Any) -> None:
+        if self._monitor is None:
+            return
+        try:
+            getattr(self._monitor, name)(*args)
+        except Exception as error:  # a failure in our monitoring never stops training
+            warnings.warn(
+                f"resource_guard: monitoring stopped: {error!r}", ResourceGuardWarning, stacklevel=3
+            )
+            self._monitor = None
+
+    # ------------------------------------------------------------------------------------------------
+    # tear-down
+
+    def _teardown(self, exc: BaseException | None) -> None:
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            try:
+                self.report = monitor.close(exc)
+            except Exception as error:
+                warnings.warn(
+                    f"resource_guard: monitor close failed: {error!r}", ResourceGuardWarning, stacklevel=3
+                )
+        if self._ckpt is not None:
+            self._ckpt.remove()
+            self._ckpt = None
+        if self._log_dir is not None and self.plan is not None:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+            (self._log_dir / "guard.json").write_text(json.dumps(self.summary(exc), indent=2, default=str))
+
+    def summary(self, exc: BaseException | None = None) -> dict[str, Any]:
+        """What was planned and what was measured (peak memory where the device reports it)."""
+        plan = self.plan
+        measured = _measured_peak_bytes(self.device)
+        out: dict[str, Any] = {
+            "optimizer_steps": self.optimizer_steps,
+            "micro_steps": self.micro_steps,
+            "wall_s": time.perf_counter() - self._started,
+            "outcome": "ok" if exc is None else type(exc).__name__,
+            "measured_peak_bytes": measured,
+        }
+        if plan is not None:
+            out["plan"] = plan.to_dict()
+            out["estimated_peak_bytes"] = plan.fit.allocated_peak_bytes
+            if measured is not None and plan.fit.allocated_peak_bytes:
+                out["estimate_error"] = plan.fit.allocated_peak_bytes / measured - 1
+        return out
+
+
+def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
+    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
+
+
+def _measured_peak_bytes(device: torch.device | None) -> int | None:
+    if device is not None and device.type == "cuda":
+        try:
+            return int(torch.cuda.max_memory_allocated(device))
+        except Exception:
+            return None
+    return None
+
+
+def _check_writable(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".resource_guard_write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigurationError(
+            f"`log_dir={str(path)!r}` is not writable ({error.strerror or error}); pick another directory."
+        ) from None
+
+
+def guard(model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Guard:
+    """Plan and run a plain-PyTorch training loop; see :class:`Guard` for the arguments."""
+    return Guard(model, optimizer, **kwargs)
