@@ -1,0 +1,525 @@
+"""Run-time monitoring: :class:`RunMonitor`, the one object both front doors (``guard`` and the
+Lightning callback) drive with ``start`` / ``batch_ready`` / ``step_end`` / ``close``.
+
+It combines the background :class:`~resource_guard.sampler.Sampler` (host and NVML gauges), the
+per-step :class:`~resource_guard.throughput.StepTimer` (data wait vs compute, throughput, MFU), a
+bounded :class:`~resource_guard.profiling.StepProfiler` window and TensorBoard output
+(:mod:`resource_guard.tblog`); at ``close`` it builds the :class:`~resource_guard.report.Report`.
+
+Contract: nothing raised inside monitoring reaches the training loop. Each failing part (NVML, psutil,
+the writer, the profiler) gives one ``ResourceGuardWarning`` and is switched off; only ``start()``
+raises, for a log dir that cannot be written. The first interval is the first step alone (start-up:
+data-loader workers, lazy inits); the run-level figures leave it out. Under ``torch.distributed``
+every rank aggregates each interval (collective), rank zero alone writes. The end-of-run summary goes
+to the ``resource_guard`` logger at INFO when that logger is enabled for INFO, else to stderr
+(``summary=False`` silences it).
+
+Example:
+    >>> import torch
+    >>> mon = RunMonitor(None, interval_s=0.05, profile=False, summary=False)
+    >>> mon.start()
+    >>> for _ in range(3):
+    ...     mon.batch_ready(torch.zeros(8, 4)); mon.step_end()
+    >>> mon.close().stats.steps
+    3
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from .errors import ConfigurationError, ResourceGuardWarning
+from .profiling import ProfileSummary, ProfileWindow, StepProfiler
+from .report import Report, RunStats, analyze, available_cores
+from .sampler import Sampler, peak_rss_bytes, reset_peak_rss
+from .tblog import TBLog, memory_picture, png_bytes
+from .throughput import StepTimer, aggregate_rows, batch_counts, count_flops, peak_flops_per_s
+
+if False:  # typing only, without importing estimate (and its tracer) at run time
+    from .devices import DeviceSpec
+    from .estimate import MemoryEstimate
+
+__all__ = ["RunMonitor", "ProfileWindow", "count_flops", "METRIC_KEYS"]
+
+_log = logging.getLogger("resource_guard")
+_clock = time.perf_counter
+_GPU_KEYS = ("util_percent", "memory_used_bytes", "power_w", "temperature_c", "sm_clock_mhz")
+_HOST_KEYS = ("process_cpu_percent", "process_rss_bytes", "system_cpu_percent", "available_ram_bytes")
+METRIC_KEYS = (
+    ("steps", "time/step_s", "time/data_wait_s", "time/compute_s", "time/data_wait_share", "time/stalled")
+    + ("time/device_compute_s", "throughput/samples_per_s", "throughput/tokens_per_s", "util/mfu")
+    + ("memory/peak_bytes", "memory/estimate_error")
+    + tuple(f"host/{k}" for k in _HOST_KEYS)
+    + tuple(f"gpu/{k}" for k in _GPU_KEYS)
+)
+_RANK_MAX_KEYS = ("time/step_s", "time/data_wait_share", "memory/peak_bytes")
+_NAN = math.nan
+
+
+class RunMonitor:
+    """Monitors a training run and reports where the time went.
+
+    Args:
+        log_dir: directory for TensorBoard events, ``report.md``/``report.json``, the memory PNG and the
+            profiler trace (rank zero); ``None`` writes no files (unless ``writer`` has a ``log_dir``).
+        device: the training device. ``cuda`` enables NVML sampling, CUDA events and allocator peaks.
+        interval_s: seconds between background samples.
+        log_every_n_steps: steps per logged interval.
+        profile: a :class:`ProfileWindow`, ``True`` for the default window, ``False`` for none.
+        estimate: the pre-flight :class:`~resource_guard.estimate.MemoryEstimate` (drift, memory PNG).
+        capacity_bytes: device capacity; default from ``device_spec``, CUDA or the host RAM.
+        device_spec: catalog facts (peak TFLOP/s for MFU, bf16/TF32/tensor cores for the rules).
+        writer: an existing ``SummaryWriter`` (never closed here); ``None`` creates one in ``log_dir``.
+        rank / world_size: this process's rank; only rank zero writes.
+        stall_threshold: data-wait share from which an interval (and the run) counts as input-bound.
+        loader_info: ``num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor``.
+        flops_per_step: FLOPs of one step (see :func:`count_flops`) for MFU.
+        precision: the Lightning precision name the run trains in.
+        summary: print the one-line summary at the end (rank zero).
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str] | None,
+        *,
+        device: torch.device | str = "cpu",
+        interval_s: float = 1.0,
+        log_every_n_steps: int = 10,
+        profile: ProfileWindow | bool = True,
+        estimate: MemoryEstimate | None = None,
+        capacity_bytes: int | None = None,
+        device_spec: DeviceSpec | None = None,
+        writer: Any | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        stall_threshold: float = 0.05,
+        loader_info: Mapping[str, Any] | None = None,
+        flops_per_step: float | None = None,
+        precision: str | None = None,
+        summary: bool = True,
+    ) -> None:
+        def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
+            return ConfigurationError(f"`RunMonitor({name}={value!r})` must be {allowed}")
+
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise bad("device", device, "a torch device such as 'cpu' or 'cuda:0'") from exc
+        if not (isinstance(interval_s, (int, float)) and 0 < interval_s < math.inf):
+            raise bad("interval_s", interval_s, "a number of seconds > 0")
+        if (
+            not isinstance(log_every_n_steps, int)
+            or isinstance(log_every_n_steps, bool)
+            or log_every_n_steps < 1
+        ):
+            raise bad("log_every_n_steps", log_every_n_steps, "an int >= 1")
+        if profile is True:
+            profile = ProfileWindow()
+        if not (profile is False or profile is None or isinstance(profile, ProfileWindow)):
+            raise bad("profile", profile, "a ProfileWindow, True or False")
+        if not (isinstance(stall_threshold, (int, float)) and 0 < stall_threshold < 1):
+            raise bad("stall_threshold", stall_threshold, "in (0, 1)")
+        if not (
+            isinstance(world_size, int)
+            and world_size >= 1
+            and isinstance(rank, int)
+            and 0 <= rank < world_size
+        ):
+            raise bad("rank", rank, f"an int in [0, world_size={world_size!r})")
+        if capacity_bytes is not None and not (isinstance(capacity_bytes, int) and capacity_bytes > 0):
+            raise bad("capacity_bytes", capacity_bytes, "a positive int or None")
+        if flops_per_step is not None and not (
+            isinstance(flops_per_step, (int, float)) and flops_per_step > 0
+        ):
+            raise bad("flops_per_step", flops_per_step, "a number > 0 or None")
+        if precision is not None:
+            from .precision import parse_precision
+
+            precision = parse_precision(precision).name
+        self.log_dir = None if log_dir is None else Path(log_dir)
+        self.interval_s = float(interval_s)
+        self.log_every_n_steps = log_every_n_steps
+        self.profile_window: ProfileWindow | None = profile or None
+        self.estimate, self.capacity_bytes, self.device_spec = estimate, capacity_bytes, device_spec
+        self.rank, self.world_size, self.stall_threshold = rank, world_size, float(stall_threshold)
+        self.loader_info = dict(loader_info or {})
+        self.flops_per_step, self.precision, self.summary = flops_per_step, precision, summary
+        self.report: Report | None = None
+        self._writer_arg = writer
+        self._tb: TBLog | None = None
+        self._sampler: Sampler | None = None
+        self._profiler: StepProfiler | None = None
+        self._timer: StepTimer | None = None
+        self._cuda = False
+        self._events: list[tuple[Any, Any]] = []
+        self._open_event: Any = None
+        self._rss_reset = False
+        self._step = 0
+        self._intervals: list[tuple[float, ...]] = []
+        self._started = self._closed = self._broken = False
+        self._notes: list[str] = []
+
+    # -- life cycle ------------------------------------------------------------------------------
+    @property
+    def _files_dir(self) -> Path | None:
+        if self.log_dir is not None:
+            return self.log_dir
+        found = getattr(self._writer_arg, "log_dir", None)
+        return None if found is None else Path(found)
+
+    def start(self) -> None:
+        """Check the log dir (raises ``ConfigurationError``), then start sampling and timing. Idempotent."""
+        if self._started or self._closed:
+            return
+        if self.rank == 0 and self.log_dir is not None:
+            try:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=self.log_dir):
+                    pass
+            except OSError as exc:
+                raise ConfigurationError(
+                    f"`RunMonitor(log_dir={str(self.log_dir)!r})` is not a writable directory: {exc}. "
+                    "Pass a directory you can write to, or log_dir=None to write no files."
+                ) from exc
+        self._started = True
+        self._cuda = self.device.type == "cuda"
+        self._guard("CUDA timing", self._setup_cuda)
+        if self.device_spec is None and self._cuda:
+            self._guard("device detection", self._detect_device)
+        if self.rank == 0 and (self.log_dir is not None or self._writer_arg is not None):
+            self._tb = TBLog(self._writer_arg, self.log_dir)
+            self._guard("TensorBoard", self._tb.layout, off="_tb")
+        gpus: tuple[int, ...] = ()
+        if self.device.type == "cuda":
+            gpus = (self.device.index or 0,) if self.world_size > 1 or self.device.index is not None else ()
+            gpus = gpus or tuple(range(max(1, _visible_gpu_count())))
+        self._sampler = Sampler(self.interval_s, gpus)
+        self._guard("sampler", self._sampler.start, off="_sampler")
+        if self.profile_window is not None:
+            trace_dir = self._files_dir / "profiler" if self.rank == 0 and self._files_dir else None
+            self._profiler = StepProfiler(
+                self.profile_window, trace_dir, device_type=self.device.type, trace_name=f"rank{self.rank}"
+            )
+            self._guard("profiler", self._profiler.start, off="_profiler")
+        self._rss_reset = not self._cuda and reset_peak_rss()
+        self._timer = StepTimer(_clock())
+
+    def _setup_cuda(self) -> None:
+        if self._cuda and not torch.cuda.is_available():
+            self._cuda = False
+            raise RuntimeError(f"device {self.device} was given but CUDA is not available")
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _detect_device(self) -> None:
+        from .detect import detect_local_devices
+
+        index = self.device.index or 0
+        self.device_spec = next(
+            (d for d in detect_local_devices() if d.index == index and d.kind == "cuda"), None
+        )
+
+    def batch_ready(self, batch: Any) -> None:
+        """A batch arrived: the data wait ends and compute begins. Infers samples and tokens."""
+        timer = self._timer
+        if timer is None or self._broken:
+            return
+        now = _clock()
+        try:
+            samples, tokens = batch_counts(batch)
+            timer.batch_ready(now, samples, tokens)
+            if self._cuda and self._open_event is None:
+                self._open_event = torch.cuda.Event(enable_timing=True)
+                self._open_event.record()
+        except Exception as exc:
+            self._break(exc)
+
+    def step_end(self) -> None:
+        """One (micro) step finished: advances the profiler; logs at interval boundaries."""
+        timer = self._timer
+        if timer is None or self._broken:
+            return
+        try:
+            timer.step_end(_clock())
+            self._step += 1
+            if self._open_event is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events.append((self._open_event, end))
+                self._open_event = None
+            if self._profiler is not None:
+                self._guard("profiler", self._profiler.step, off="_profiler")
+            if self._step == 1 or self._step % self.log_every_n_steps == 0:
+                self._log_interval()
+            if self._sampler is not None:
+                self._warn_sampler()
+        except Exception as exc:
+            self._break(exc)
+
+    def close(self, exc: BaseException | None = None) -> Report | None:
+        """Stop everything, write the report (rank zero) and return it. Idempotent; never raises."""
+        if self._closed:
+            return self.report
+        self._closed = True
+        if self._profiler is not None:
+            self._guard("profiler", self._profiler.stop, off="_profiler")
+        if self._sampler is not None:
+            self._sampler.stop()
+        if exc is not None:
+            self._notes.append(f"the run ended with {type(exc).__name__}: {exc}")
+        if self._timer is not None and not self._broken and self._timer.steps:
+            collective = exc is None or not _distributed()
+            self._guard("interval logging", lambda: self._log_interval(collective=collective))
+        if self._sampler is not None:
+            self._warn_sampler()
+        if not self._started:
+            return None
+        summary = None
+        if self._profiler is not None:
+            summary = self._guard("profiler", self._profiler.summarize, off="_profiler")
+        self.report = self._guard("report", lambda: analyze(self._run_stats(summary)))
+        if self.rank == 0 and self.report is not None:
+            self._write_outputs(self.report)
+            if self.summary:
+                _console(self.report)
+        if self._tb is not None:
+            self._guard("TensorBoard", self._tb.close, off="_tb")
+        return self.report
+
+    # -- intervals -------------------------------------------------------------------------------
+    def _log_interval(self, collective: bool = True) -> None:
+        assert self._timer is not None  # internal invariant: only called after start()
+        iv = self._timer.take(_clock())
+        if iv.steps == 0:
+            return
+        gauges = self._sampler.drain() if self._sampler is not None else {}
+        row = dict.fromkeys(METRIC_KEYS, _NAN)
+        wall = max(iv.wall_s, 1e-12)
+        row.update({
+            "steps": iv.steps, "time/step_s": wall / iv.steps, "time/data_wait_s": iv.data_wait_s / iv.steps,
+            "time/compute_s": iv.compute_s / iv.steps, "time/data_wait_share": iv.data_wait_share,
+            "throughput/samples_per_s": iv.samples / wall if iv.samples else _NAN,
+            "throughput/tokens_per_s": iv.tokens / wall if iv.tokens else _NAN,
+        })  # fmt: skip
+        row["time/stalled"] = float(iv.data_wait_share >= self.stall_threshold)
+        if self._events:
+            self._events[-1][1].synchronize()  # the only device sync: at a log boundary
+            device_ms = sum(start.elapsed_time(end) for start, end in self._events)
+            row["time/device_compute_s"] = device_ms / 1e3 / len(self._events)
+            self._events.clear()
+        peak = self._guard("memory peak", self._peak_memory, gauges)
+        if peak is not None:
+            row["memory/peak_bytes"] = float(peak)
+            if self._cuda and self.estimate is not None and self.estimate.peak_bytes:
+                row["memory/estimate_error"] = (peak - self.estimate.peak_bytes) / self.estimate.peak_bytes
+        own_gpu = f"gpu{self.device.index or 0}/"
+        for key, (mean, _max) in gauges.items():
+            if key.startswith("host/"):
+                row[key] = mean
+            elif key.startswith(own_gpu):
+                row["gpu/" + key[len(own_gpu) :]] = mean
+        values = list(row.values())
+        means, maxes = aggregate_rows(values, self._collective_device()) if collective else (values, values)
+        agg = dict(zip(row, means))
+        for key in ("throughput/samples_per_s", "throughput/tokens_per_s"):
+            agg[key] = agg[key] * self.world_size  # the mean rank's rate × ranks = the job's rate
+        peak_fps = self._peak_flops()
+        if self.flops_per_step and peak_fps:
+            agg["util/mfu"] = self.flops_per_step / agg["time/step_s"] / peak_fps
+        self._intervals.append(tuple(agg[k] for k in METRIC_KEYS))
+        if self._tb is None:
+            return
+        out = {k: v for k, v in agg.items() if k != "steps"}
+        if self.world_size > 1:
+            out.update({f"{k}_max": maxes[METRIC_KEYS.index(k)] for k in _RANK_MAX_KEYS})
+        if len({k.split("/")[0] for k in gauges if k.startswith("gpu")}) > 1:
+            out.update({k: mean for k, (mean, _) in gauges.items() if k.startswith("gpu")})
+        self._guard("TensorBoard", lambda: self._tb.scalars(self._step, out), off="_tb")  # type: ignore[union-attr]
+
+    def _peak_memory(self, gauges: Mapping[str, tuple[float, float]]) -> float | None:
+        if self._cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return float(peak)
+        hwm = peak_rss_bytes() if self._rss_reset else None
+        if hwm is not None:
+            self._rss_reset = reset_peak_rss()
+            return float(hwm)
+        sampled = gauges.get("host/process_rss_bytes")
+        return None if sampled is None else sampled[1]
+
+    def _collective_device(self) -> torch.device | None:
+        import torch.distributed as dist
+
+        if self._cuda and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            return self.device
+        return None
+
+    def _peak_flops(self) -> float | None:
+        spec = self.device_spec
+        if spec is None:
+            return None
+        return peak_flops_per_s(spec.peak_tflops, self.precision, torch.get_float32_matmul_precision())
+
+    # -- the end of the run ----------------------------------------------------------------------
+    def _run_stats(self, profile: ProfileSummary | None) -> RunStats:
+        rows = [dict(zip(METRIC_KEYS, r)) for r in self._intervals]
+        steps = int(sum(r["steps"] for r in rows))
+        body = rows[1:] if len(rows) > 1 else rows  # the first interval is the start-up step
+        walls = [r["time/step_s"] * r["steps"] for r in body]
+        wall = sum(walls)
+
+        def weighted(key: str) -> float | None:
+            pairs = [(r[key], w) for r, w in zip(body, walls) if not math.isnan(r[key])]
+            total = sum(w for _, w in pairs)
+            return sum(v * w for v, w in pairs) / total if pairs and total > 0 else None
+
+        body_steps = sum(r["steps"] for r in body)
+        peaks = [r["memory/peak_bytes"] for r in rows if not math.isnan(r["memory/peak_bytes"])]
+        spec = self.device_spec
+        peak_fps = self._peak_flops()
+        step_time = wall / body_steps if body_steps else None
+        mfu = None
+        if self.flops_per_step and peak_fps and step_time:
+            mfu = self.flops_per_step / step_time / peak_fps
+        cc = spec.compute_capability if spec is not None else None
+        tensor_cores = self.device.type == "cuda" and (
+            (cc is not None and float(cc) >= 7.0)
+            or bool(spec and {"fp16", "bf16", "tf32"} & set(spec.peak_tflops))
+        )
+        return RunStats(
+            steps=steps,
+            duration_s=sum(r["time/step_s"] * r["steps"] for r in rows) if rows else None,
+            step_time_s=step_time,
+            data_wait_s=weighted("time/data_wait_s"),
+            data_wait_share=weighted("time/data_wait_share"),
+            max_interval_data_wait_share=max((r["time/data_wait_share"] for r in body), default=None),
+            samples_per_s=weighted("throughput/samples_per_s"),
+            tokens_per_s=weighted("throughput/tokens_per_s"),
+            flops_per_step=self.flops_per_step,
+            mfu=mfu,
+            peak_memory_bytes=int(max(peaks)) if peaks else None,
+            peak_memory_source=None if not peaks else ("cuda_allocated" if self._cuda else "rss"),
+            capacity_bytes=self._capacity(),
+            estimated_peak_bytes=self.estimate.peak_bytes if self.estimate is not None else None,
+            gpu_util_percent=weighted("gpu/util_percent"),
+            process_cpu_percent=weighted("host/process_cpu_percent"),
+            device=str(self.device),
+            device_kind="cuda" if self.device.type == "cuda" else self.device.type,
+            device_name=spec.display_name or spec.name if spec is not None else None,
+            precision=self.precision,
+            float32_matmul_precision=torch.get_float32_matmul_precision(),
+            tensor_cores=tensor_cores,
+            bf16_supported=bool(spec and spec.bf16),
+            tf32_supported=bool(spec and "tf32" in spec.peak_tflops),
+            loader_info=self.loader_info,
+            available_cores=available_cores(),
+            cpu_count=os.cpu_count(),
+            world_size=self.world_size,
+            stall_threshold=self.stall_threshold,
+            profile=profile,
+            notes=tuple(self._notes),
+        )
+
+    def _capacity(self) -> int | None:
+        if self.capacity_bytes is not None:
+            return self.capacity_bytes
+        if self.device_spec is not None:
+            return self.device_spec.memory_bytes
+        if self._cuda:
+            return int(torch.cuda.get_device_properties(self.device).total_memory)
+        return int(psutil.virtual_memory().total)
+
+    def _write_outputs(self, report: Report) -> None:
+        markdown = report.to_markdown()
+        picture = None
+        if self.estimate is not None and self.estimate.timeline:
+            title = f"pre-flight memory of one step ({self.estimate.precision}) vs {self.device}"
+            picture = self._guard("memory picture", memory_picture, self.estimate.timeline, self._capacity(),
+                                  title=title)  # fmt: skip
+        if self._tb is not None:
+            tb = self._tb
+            self._guard("TensorBoard", lambda: tb.text("report", markdown, self._step), off="_tb")
+            if picture is not None and self._tb is not None:
+                self._guard("TensorBoard", lambda: tb.image("memory", picture, self._step), off="_tb")
+        directory = self._files_dir
+        if directory is None:
+            return
+
+        def write_files() -> None:
+            import json
+
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "report.md").write_text(markdown, encoding="utf-8")
+            data = json.dumps(report.to_dict(), indent=2, default=str)
+            (directory / "report.json").write_text(data, encoding="utf-8")
+            if picture is not None:
+                (directory / "memory.png").write_bytes(png_bytes(picture))
+
+        self._guard("report files", write_files)
+
+    # -- degrading -------------------------------------------------------------------------------
+    def _guard(self, part: str, fn: Any, *args: Any, off: str | None = None, **kwargs: Any) -> Any:
+        """``fn(*args)``; on any exception one warning, and the attribute ``off`` set to None."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if off is not None:
+                obj = getattr(self, off, None)
+                setattr(self, off, None)
+                if off == "_profiler" and obj is not None:
+                    with contextlib.suppress(Exception):  # already reporting the first error
+                        obj.stop()
+            _warn(f"{part} disabled: {type(exc).__name__}: {exc}")
+            return None
+
+    def _break(self, exc: BaseException) -> None:
+        self._broken = True
+        if self._profiler is not None:
+            self._guard("profiler", self._profiler.stop, off="_profiler")
+        _warn(f"monitoring stopped for the rest of the run: {type(exc).__name__}: {exc}")
+
+    def _warn_sampler(self) -> None:
+        assert self._sampler is not None  # internal invariant
+        for message in self._sampler.pop_messages():
+            _warn(message)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"resource_guard monitoring: {message}", ResourceGuardWarning, stacklevel=4)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def _visible_gpu_count() -> int:
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:
+        return 0
+
+
+def _console(report: Report) -> None:
+    line = report.summary_line()
+    extra = [f"  {f.id} ({f.severity}): {f.title}" for f in report.findings if f.id != "healthy"]
+    text = "\n".join([line, *extra])
+    if _log.isEnabledFor(logging.INFO):
+        _log.info(text)
+    else:
+        print(text, file=sys.stderr)
