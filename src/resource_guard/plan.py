@@ -1,0 +1,521 @@
+"""Auto-configuration: pick device, precision, checkpointing, micro-batch, accumulation and strategy.
+
+:func:`plan` decides from a few memory estimates (traces on fake tensors), never from real steps.
+The rules, each covered by a test:
+
+1. **Device** ``"auto"``: the CUDA/ROCm GPU with the most free memory (``CUDA_VISIBLE_DEVICES``
+   respected, no CUDA context created), else MPS, else the CPU. ``"cpu"``, ``"cuda:N"``, ``"mps"``
+   name a local device; a catalog name (``"a100-40gb"``, ``"t4"``) plans for that device without it
+   being present. ``memory_limit`` (bytes or ``"6GiB"``) plans as if the device had only that much.
+2. **Precision** ``"auto"``: ``bf16-mixed`` where the device has native bf16 (Ampere+, H100, MI300,
+   Apple M2+); ``16-mixed`` (loss scaling) on older CUDA GPUs (T4, V100); ``32-true`` on an MPS
+   device without bf16 and on a CPU unless it has native bf16 (``amx_bf16``/``avx512_bf16`` in
+   ``/proc/cpuinfo``). An explicit precision is respected, never overridden.
+3. **Batch**: ``micro_batch_size × accumulation_steps × world_size == target_batch_size`` exactly, so
+   the micro-batch is a divisor of the per-rank batch. The plan says when the target has few
+   divisors (prime-ish) and a non-divisor micro-batch would have been larger.
+4. **Fastest that fits**: a configuration fits when the device would show at most
+   ``capacity × (1 − headroom)`` (:meth:`MemoryEstimate.for_device`: allocator, context, workspace).
+   Among those that fit, the lowest relative cost wins (ties: no checkpointing, fewer moving parts).
+   Cost model (documented assumptions, not measurements): a micro-step of ``m`` samples costs
+   ``m + 8`` sample-units (fixed per-step overhead); activation checkpointing multiplies compute by
+   1.3 (one more forward); FSDP by 1.1 against DDP (the extra all-gathers). So the full batch is best,
+   then the largest micro-batch with accumulation; checkpointing only when nothing fits without it or
+   when it allows a much larger micro-batch (e.g. 4× a micro-batch below ~20).
+5. **Search**: peak memory is near-linear in the micro-batch. The planner traces the full per-rank
+   batch (done if it fits), then micro-batch 1, interpolates to the largest divisor predicted to fit,
+   and verifies by tracing it and the next divisor up until the largest fitting divisor has a traced
+   fit and its next divisor a traced non-fit. ``Plan.traces`` counts the traces. The batch of size
+   ``b`` is the sample batch sliced or repeated along dim 0; tensors above 4M elements are made on the
+   ``meta`` device, so no large batch is allocated.
+6. **Strategy**: with ``world_size > 1``, DDP (full replica + gradient buckets) and FSDP full-shard
+   are both sized per rank (:mod:`resource_guard.strategy`); the cheaper that fits wins.
+7. **Nothing fits**: :class:`~resource_guard.errors.DoesNotFitError` with a :class:`NoFitReport`:
+   needed vs available, the alternatives tried, the catalog devices where it would fit, and how many
+   of this device FSDP would need.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    >>> p = plan(model, torch.optim.AdamW, torch.randn(32, 64), lambda m, b: m(b).square().mean(),
+    ...          device="a100-40gb")
+    >>> p.precision, p.micro_batch_size, p.accumulation_steps, p.strategy
+    ('bf16-mixed', 32, 1, 'single')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from . import detect
+from ._plan_search import Candidate, Tracer, search_largest
+from .allocator import DeviceFit
+from .batching import divisors
+from .checkpointing import find_checkpoint_blocks
+from .devices import Catalog, DeviceSpec, load_catalog, parse_bytes, resolve_device
+from .errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
+from .estimate import MemoryEstimate, OptimizerArg
+from .precision import parse_precision
+from .step import LossFn, batch_size_of
+from .strategy import RankMemory, gpus_needed, unit_param_bytes
+
+__all__ = ["Alternative", "NoFitReport", "Plan", "plan", "choose_precision", "relative_cost"]
+
+CHECKPOINT_COST = 1.3
+FSDP_COST = 1.1
+MICRO_STEP_OVERHEAD_SAMPLES = 8
+_MiB = 2**20
+
+
+def relative_cost(
+    micro: int, per_rank: int, *, checkpointing: bool = False, strategy: str = "single"
+) -> float:
+    """Time per sample relative to the full per-rank batch without checkpointing (see rule 4)."""
+    k = MICRO_STEP_OVERHEAD_SAMPLES
+    cost = ((micro + k) / micro) / ((per_rank + k) / per_rank)
+    return cost * (CHECKPOINT_COST if checkpointing else 1.0) * (FSDP_COST if strategy == "fsdp" else 1.0)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One configuration the planner considered (a row of the alternatives table)."""
+
+    precision: str
+    checkpointing: bool
+    micro_batch_size: int
+    accumulation_steps: int
+    strategy: str
+    world_size: int
+    predicted_peak_bytes: int
+    fits: bool
+    relative_cost: float
+    chosen: bool = False
+
+    def config(self) -> str:
+        ckpt = " +ckpt" if self.checkpointing else ""
+        where = f" {self.strategy}×{self.world_size}" if self.strategy != "single" else ""
+        return f"{self.micro_batch_size}×{self.accumulation_steps} {self.precision}{ckpt}{where}"
+
+
+def _table(rows: tuple[Alternative, ...]) -> str:
+    lines = ["| config (micro×accum) | predicted peak | fits | relative cost |", "|---|---:|:-:|---:|"]
+    for r in rows:
+        mark = " **(chosen)**" if r.chosen else ""
+        peak = f"{r.predicted_peak_bytes / _MiB:,.1f} MiB"
+        lines.append(f"| {r.config()}{mark} | {peak} | {'yes' if r.fits else 'no'} | {r.relative_cost:.2f} |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A training configuration that fits, with its reasons and the alternatives it beat.
+
+    Attributes:
+        device: the device planned for (capacity capped by ``memory_limit``).
+        precision: Lightning precision name.
+        checkpointing: whether activation checkpointing is on; ``checkpointed_modules`` names the modules.
+        micro_batch_size / accumulation_steps / world_size: ``micro × accumulation × world == target``.
+        strategy: ``"single"``, ``"ddp"`` or ``"fsdp"``.
+        target_batch_size: the effective batch size per optimizer step.
+        estimate: the traced estimate of the chosen micro-batch (single-device figures).
+        fit: what the device would show per rank for the chosen configuration.
+        rank_memory: per-rank breakdown under DDP/FSDP (None for ``"single"``).
+        reasons: one human-readable line per decision.
+        alternatives: the configurations considered, best first.
+        traces: number of estimate traces the plan used.
+        headroom: the fraction of capacity kept free.
+    """
+
+    device: DeviceSpec
+    precision: str
+    checkpointing: bool
+    checkpointed_modules: tuple[str, ...]
+    micro_batch_size: int
+    accumulation_steps: int
+    world_size: int
+    strategy: str
+    target_batch_size: int
+    estimate: MemoryEstimate = field(repr=False)
+    fit: DeviceFit = field(repr=False)
+    reasons: tuple[str, ...] = ()
+    alternatives: tuple[Alternative, ...] = field(default=(), repr=False)
+    traces: int = 0
+    headroom: float = 0.1
+    rank_memory: RankMemory | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary."""
+        return {
+            "device": self.device.name,
+            "capacity_bytes": self.fit.capacity_bytes,
+            "usable_bytes": self.fit.usable_bytes,
+            "predicted_peak_bytes": self.fit.device_total_bytes,
+            "precision": self.precision,
+            "checkpointing": self.checkpointing,
+            "checkpointed_modules": list(self.checkpointed_modules),
+            "micro_batch_size": self.micro_batch_size,
+            "accumulation_steps": self.accumulation_steps,
+            "world_size": self.world_size,
+            "strategy": self.strategy,
+            "target_batch_size": self.target_batch_size,
+            "headroom": self.headroom,
+            "traces": self.traces,
+            "reasons": list(self.reasons),
+            "alternatives": [dict(a.__dict__, config=a.config()) for a in self.alternatives],
+            "estimate": self.estimate.to_dict(),
+        }
+
+    def summary(self) -> str:
+        """Markdown: the decision, its reasons and the alternatives table."""
+        f = self.fit
+        head = (
+            f"**Plan**: {self.micro_batch_size} × {self.accumulation_steps} accumulation"
+            f" × {self.world_size} ({self.strategy}) = {self.target_batch_size} on {self.device.name},"
+            f" {self.precision}, checkpointing {'on' if self.checkpointing else 'off'};"
+            f" predicted {f.device_total_bytes / _MiB:,.1f} of {f.usable_bytes / _MiB:,.1f} MiB usable"
+            f" ({self.traces} traces)"
+        )
+        return "\n".join([head, "", *(f"- {r}" for r in self.reasons), "", _table(self.alternatives)])
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+@dataclass(frozen=True)
+class NoFitReport:
+    """Why nothing fits and what would (the ``report`` of :class:`DoesNotFitError`)."""
+
+    device: str
+    capacity_bytes: int
+    usable_bytes: int
+    needed_bytes: int
+    smallest_config: str
+    alternatives: tuple[Alternative, ...]
+    fitting_devices: tuple[str, ...]
+    gpus_needed: int | None
+    suggestions: tuple[str, ...]
+    traces: int
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["alternatives"] = [dict(a.__dict__, config=a.config()) for a in self.alternatives]
+        out["fitting_devices"], out["suggestions"] = list(self.fitting_devices), list(self.suggestions)
+        return out
+
+    def summary(self) -> str:
+        head = (
+            f"Nothing fits {self.device}: the smallest configuration ({self.smallest_config}) needs "
+            f"{self.needed_bytes / _MiB:,.1f} MiB, {self.usable_bytes / _MiB:,.1f} MiB usable "
+            f"(capacity {self.capacity_bytes / _MiB:,.1f} MiB)."
+        )
+        return "\n".join([head, *(f"- {s}" for s in self.suggestions), "", _table(self.alternatives)])
+
+
+# -- rules ------------------------------------------------------------------------------------------
+def _cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (``amx_bf16``/``avx512_bf16``, Arm ``bf16``). A test seam."""
+    flags: set[str] = set()
+    for line in (detect._read_cpuinfo() or "").splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+
+
+def choose_precision(device: DeviceSpec) -> tuple[str, str]:
+    """The ``"auto"`` precision for ``device`` and the reason (rule 2)."""
+    if device.kind in ("cuda", "rocm"):
+        if device.bf16:
+            return (
+                "bf16-mixed",
+                f"{device.name} supports bf16 (compute capability {device.compute_capability})",
+            )
+        return (
+            "16-mixed",
+            f"{device.name} has no bf16 (compute capability {device.compute_capability}): "
+            "fp16 with loss scaling",
+        )
+    if device.kind == "mps":
+        if device.bf16:
+            return "bf16-mixed", f"{device.name} supports bf16"
+        return "32-true", f"{device.name} has no bf16 (Apple M1): fp32"
+    if _cpu_has_native_bf16():
+        return "bf16-mixed", "the CPU has native bf16 (amx_bf16/avx512_bf16)"
+    return "32-true", "the CPU has no native bf16: fp32"
+
+
+def _check_args(headroom: Any, target: Any, world_size: Any, strategy: Any, checkpointing: Any) -> None:
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
+        raise ConfigurationError(f"`plan(headroom={headroom!r})` must be a number in [0, 0.9)")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target < 1):
+        raise ConfigurationError(f"`plan(target_batch_size={target!r})` must be a positive int or None")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigurationError(f"`plan(world_size={world_size!r})` must be an int >= 1")
+    if strategy not in ("auto", "single", "ddp", "fsdp"):
+        raise ConfigurationError(
+            f"`plan(strategy={strategy!r})` must be one of 'auto', 'single', 'ddp', 'fsdp'"
+        )
+    if strategy == "single" and world_size > 1:
+        raise ConfigurationError(
+            f"`plan(strategy='single', world_size={world_size})`: one device cannot have {world_size} ranks; "
+            "use strategy='ddp', 'fsdp' or 'auto', or world_size=1."
+        )
+    if checkpointing not in ("auto", True, False):
+        raise ConfigurationError(f"`plan(checkpointing={checkpointing!r})` must be 'auto', True or False")
+
+
+@contextlib.contextmanager
+def _collect_warnings(seen: dict[str, None]) -> Iterator[None]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceGuardWarning)
+        yield
+    for w in caught:
+        if issubclass(w.category, ResourceGuardWarning):
+            seen.setdefault(str(w.message), None)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+# -- the planner ------------------------------------------------------------------------------------
+def plan(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    device: str | DeviceSpec = "auto",
+    target_batch_size: int | None = None,
+    headroom: float = 0.1,
+    precision: str = "auto",
+    checkpointing: bool | str = "auto",
+    world_size: int = 1,
+    strategy: str = "auto",
+    memory_limit: int | str | None = None,
+    catalog: Catalog | None = None,
+) -> Plan:
+    """Choose the fastest training configuration that fits (rules in the module docstring).
+
+    Args:
+        model, optimizer, batch, loss_fn: as for :func:`~resource_guard.estimate.estimate_memory`;
+            ``batch`` is one sample batch (any size: it is sliced or repeated to the sizes tried).
+        device: ``"auto"``, ``"cpu"``, ``"cuda:N"``, ``"mps"``, a catalog name or a ``DeviceSpec``.
+        target_batch_size: samples per optimizer step over all ranks; default: the sample batch's
+            size per rank × ``world_size``.
+        headroom: fraction of the capacity kept free, in [0, 0.9).
+        precision: ``"auto"`` or a Lightning precision name.
+        checkpointing: ``"auto"``, True (required) or False (never).
+        world_size: number of data-parallel ranks.
+        strategy: ``"auto"``, ``"single"``, ``"ddp"`` or ``"fsdp"``.
+        memory_limit: plan as if the device had only this much memory (bytes or ``"6GiB"``).
+        catalog: the device catalog (default: the bundled one merged with the user's).
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        ConfigurationError: a bad argument or an unknown device or precision name.
+        DoesNotFitError: no configuration fits; ``err.report`` is a :class:`NoFitReport`.
+    """
+    _check_args(headroom, target_batch_size, world_size, strategy, checkpointing)
+    catalog = catalog if catalog is not None else load_catalog()
+    spec = resolve_device(device, catalog)
+    reasons = [f"device {spec.name} ({spec.kind}): " + ("asked for" if device != "auto" else "auto-detected")]
+    if memory_limit is not None:
+        limit = parse_bytes(memory_limit)
+        if limit <= 0:
+            raise ConfigurationError(f"`plan(memory_limit={memory_limit!r})` must be more than 0 bytes")
+        spec = spec.with_memory(limit)
+        reasons[0] += f", memory capped at {limit / _MiB:,.1f} MiB"
+    if precision == "auto":
+        precision, why = choose_precision(spec)
+        reasons.append(f"precision {precision}: {why}")
+    else:
+        precision = parse_precision(precision).name
+        reasons.append(f"precision {precision}: as asked")
+
+    sample = batch_size_of(batch)
+    if sample is None:
+        raise ConfigurationError("`plan`: cannot tell the sample batch's size (no common leading dimension).")
+    target = target_batch_size if target_batch_size is not None else sample * world_size
+    if target % world_size:
+        raise ConfigurationError(
+            f"`plan(target_batch_size={target}, world_size={world_size})`: the target must be a multiple of "
+            "world_size so that micro × accumulation × world_size == target exactly."
+        )
+    per_rank = target // world_size
+
+    blocks = find_checkpoint_blocks(model)
+    if checkpointing is True and not blocks:
+        raise ConfigurationError(
+            f"`plan(checkpointing=True)`: {type(model).__name__} has no repeated blocks to checkpoint; "
+            "use checkpointing='auto' or False."
+        )
+    ckpt_options = (
+        [False]
+        if checkpointing is False or not blocks
+        else ([True] if checkpointing is True else [False, True])
+    )
+    strategies = (
+        ["single"]
+        if world_size == 1 and strategy == "auto"
+        else (["ddp", "fsdp"] if strategy == "auto" else [strategy])
+    )
+    units = unit_param_bytes(model, precision)
+    noted: dict[str, None] = {}
+    tracer = Tracer(model, optimizer, batch, loss_fn, precision, spec, headroom, units, world_size)
+    divs = divisors(per_rank)
+    found: list[Candidate] = []
+    with _collect_warnings(noted):
+        for ckpt in ckpt_options:
+            if ckpt and found and found[0].micro == per_rank:
+                break  # the full batch fits without checkpointing
+            for strat in strategies:
+                start = max((c.micro for c in found if c.strategy == strat), default=1)
+                cand = search_largest(tracer, divs, ckpt, strat, start)
+                if cand is not None:
+                    found.append(cand)
+    for message in noted:
+        warnings.warn(message, ResourceGuardWarning, stacklevel=2)
+
+    def cost(c: Candidate) -> float:
+        return relative_cost(c.micro, per_rank, checkpointing=c.ckpt, strategy=c.strategy)
+
+    rows = tracer.alternatives(per_rank, cost_fn=relative_cost)
+    if not found:
+        raise _no_fit(tracer, spec, catalog, headroom, rows, units, per_rank)
+    best = min(found, key=lambda c: (round(cost(c), 6), c.ckpt, c.strategy == "fsdp"))
+    rows = tuple(
+        Alternative(**{**r.__dict__, "chosen": (r.micro_batch_size, r.checkpointing, r.strategy, r.fits)
+                       == (best.micro, best.ckpt, best.strategy, True)})
+        for r in rows
+    )  # fmt: skip
+    reasons += _batch_reasons(best, found, per_rank, target, world_size, tracer, cost)
+    reasons += [f"{m} (estimate warning)" for m in noted]
+    reasons.append(f"{tracer.count} estimate traces, no real step")
+    handle_names = blocks if best.ckpt else ()
+    return Plan(
+        device=spec,
+        precision=precision,
+        checkpointing=best.ckpt,
+        checkpointed_modules=handle_names,
+        micro_batch_size=best.micro,
+        accumulation_steps=per_rank // best.micro,
+        world_size=world_size,
+        strategy=best.strategy,
+        target_batch_size=target,
+        estimate=best.estimate,
+        fit=best.fit,
+        reasons=tuple(reasons),
+        alternatives=rows,
+        traces=tracer.count,
+        headroom=float(headroom),
+        rank_memory=best.rank if best.strategy != "single" else None,
+    )
+
+
+def _batch_reasons(
+    best: Candidate,
+    found: list[Candidate],
+    per_rank: int,
+    target: int,
+    world: int,
+    tracer: Tracer,
+    cost: Callable[[Candidate], float],
+) -> list[str]:
+    out = []
+    usable = best.fit.usable_bytes
+    if best.micro == per_rank:
+        out.append(f"the full per-rank batch of {per_rank} fits: no accumulation")
+    else:
+        over = tracer.smallest_failing(best.ckpt, best.strategy, best.micro)
+        more = f"; {over[0]} needs {over[1] / _MiB:,.1f} MiB" if over else ""
+        out.append(
+            f"micro-batch {best.micro} × {per_rank // best.micro} accumulation steps: the largest divisor of "
+            f"{per_rank} that fits {usable / _MiB:,.1f} MiB usable{more}"
+        )
+        reach = tracer.interpolated_limit(best.ckpt, best.strategy, best.micro)
+        if reach is not None and reach >= 1.25 * best.micro:
+            divs = divisors(per_rank)
+            why = (
+                f"{per_rank} is prime: its only divisors are 1 and {per_rank}"
+                if len(divs) == 2
+                else f"no divisor of {per_rank} lies between {best.micro} and {reach}"
+            )
+            out.append(
+                f"compromise: about {reach} samples per micro-batch would fit, but micro × accumulation × "
+                f"world_size must equal {target} exactly and {why}"
+            )
+    plain = [c for c in found if not c.ckpt and c.strategy == best.strategy]
+    if best.ckpt:
+        if plain:
+            out.append(
+                f"activation checkpointing on ({len(tracer.blocks)} modules): micro-batch {best.micro} "
+                f"instead of {plain[0].micro} without it outweighs its ≈{CHECKPOINT_COST - 1:.0%} "
+                "extra compute"
+            )
+        else:
+            out.append(f"activation checkpointing on ({len(tracer.blocks)} modules): nothing fits without it")
+    elif tracer.blocks:
+        out.append(
+            "activation checkpointing off: "
+            + ("not needed" if best.micro == per_rank else "not worth its cost")
+        )
+    if world > 1:
+        others = [c for c in found if c.strategy != best.strategy]
+        alt = f"; {others[0].strategy} would allow micro-batch {others[0].micro}" if others else ""
+        out.append(
+            f"strategy {best.strategy} over {world} ranks "
+            f"({best.fit.device_total_bytes / _MiB:,.1f} MiB per rank){alt}"
+        )
+    return out
+
+
+def _no_fit(
+    tracer: Tracer,
+    spec: DeviceSpec,
+    catalog: Catalog,
+    headroom: float,
+    rows: tuple[Alternative, ...],
+    units: tuple[int, ...],
+    per_rank: int,
+) -> DoesNotFitError:
+    smallest = min(tracer.smallest_points(), key=lambda p: p.fit.device_total_bytes)
+    est, fit = smallest.estimate, smallest.fit
+    fitting = tuple(
+        d.name for d in sorted(catalog.values(), key=lambda d: d.memory_bytes)
+        if d.kind != "cpu" and est.for_device(d, headroom=headroom).fits
+    )  # fmt: skip
+    count = gpus_needed(est, spec, units=units, headroom=headroom) if spec.kind != "cpu" else None
+    config = f"micro-batch 1 {tracer.precision}{' with checkpointing' if smallest.ckpt else ''}"
+    tips = []
+    if fitting:
+        tips.append(f"it would fit on: {', '.join(fitting)}")
+    if count is not None and count.count > 1:
+        tips.append(
+            f"FSDP full-shard over {count.count} × {spec.name} "
+            f"({count.per_rank_bytes / _MiB:,.1f} MiB per rank)"
+        )
+    if not smallest.ckpt and tracer.blocks:
+        tips.append("activation checkpointing was not allowed; checkpointing='auto' may help")
+    if tracer.precision in ("32-true", "16-mixed", "bf16-mixed"):
+        tips.append("bf16-true halves parameter, gradient and optimizer-state bytes")
+    report = NoFitReport(
+        device=spec.name,
+        capacity_bytes=fit.capacity_bytes,
+        usable_bytes=fit.usable_bytes,
+        needed_bytes=fit.device_total_bytes,
+        smallest_config=config,
+        alternatives=rows,
+        fitting_devices=fitting,
+        gpus_needed=count.count if count is not None else None,
+        suggestions=tuple(tips),
+        traces=tracer.count,
+    )
+    return DoesNotFitError(report.summary(), report)
