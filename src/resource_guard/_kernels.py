@@ -2,7 +2,8 @@
 
 On fake tensors only an operator's declared outputs are seen. A few real CPU kernels do more: oneDNN
 convolutions reorder their inputs into blocked layouts, batch-norm backward keeps an input-sized
-buffer, and oneDNN's LSTM returns a workspace whose meta kernel says it is empty. For these
+buffer, oneDNN's LSTM returns a workspace whose meta kernel says it is empty, and the CPU
+flash-attention kernels allocate per-thread accumulators. For these
 operators the real kernel is *probed*: run once on real zero tensors of the same shapes (one
 operator's tensors, never the model's), its allocations read from torch.profiler's memory records,
 and the answer cached by shape. Probes are skipped above ``PROBE_BUDGET_BYTES``; then a rule of thumb
@@ -43,7 +44,14 @@ def _probed_ops() -> dict[Any, float]:
         _aten.convolution_backward.default: 2.0,
         _aten.native_batch_norm_backward.default: 1.0,
     }
-    for name, factor in (("mkldnn_rnn_layer", 16.0), ("mkldnn_rnn_layer_backward", 16.0)):
+    # the CPU flash-attention kernels keep per-thread fp32 accumulators (measured: ~1.7x / ~5.7x q's
+    # bytes for bf16 forward / backward at ViT-like shapes on 2 threads)
+    for name, factor in (
+        ("mkldnn_rnn_layer", 16.0),
+        ("mkldnn_rnn_layer_backward", 16.0),
+        ("_scaled_dot_product_flash_attention_for_cpu", 2.0),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", 6.0),
+    ):
         op = getattr(_aten, name, None)
         if op is not None:
             ops[op.default] = factor
@@ -51,6 +59,16 @@ def _probed_ops() -> dict[Any, float]:
 
 
 _PROBED = _probed_ops()
+_CPU_ONLY = {
+    getattr(_aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    )
+    if hasattr(_aten, name)
+}
+# oneDNN bf16/fp16 GEMMs on CPU pack operands into scratch: measured ~1.4x the largest operand
+_REDUCED_GEMM_FACTOR = 1.5
 
 
 def _bytes_of(t: torch.Tensor) -> int:
@@ -132,18 +150,48 @@ _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.badd
 
 
 def kernel_extra(
-    func: Any, args: tuple, kwargs: dict, out: Any, size_of: Callable[[torch.Tensor], int | None]
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    out: Any,
+    size_of: Callable[[torch.Tensor], int | None],
+    *,
+    device_kind: str = "cpu",
 ) -> KernelExtra | None:
     """Scratch and true output sizes of the real kernel of ``func``, or ``None`` if it has none.
 
     ``size_of`` tells the tracked storage size of an input (workspaces whose fake is empty).
+    ``device_kind`` is the target's: the CPU-only kernels (oneDNN's reduced-precision GEMMs, which
+    pack their operands into scratch, and the CPU flash attention) are probed only for CPU targets;
+    on CUDA, cuBLAS works in its workspace (see :mod:`resource_guard.allocator`).
     """
+    cpu = device_kind == "cpu"
     if func in _MATMULS:
         copied = _blas_copy_bytes(func, args)
-        return KernelExtra(copied) if copied else None
+        reduced = any(
+            isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) for t in args[:3]
+        )
+        if not (cpu and reduced):
+            return KernelExtra(copied) if copied else None
+        extra = _probe_or_rule(func, args, kwargs, out, size_of, _REDUCED_GEMM_FACTOR)
+        return KernelExtra(max(extra.scratch_bytes, copied))
+    if func in _CPU_ONLY and not cpu:
+        return None
     factor = _PROBED.get(func)
     if factor is None:
         return None
+    return _probe_or_rule(func, args, kwargs, out, size_of, factor)
+
+
+def _probe_or_rule(
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    out: Any,
+    size_of: Callable[[torch.Tensor], int | None],
+    factor: float,
+) -> KernelExtra:
+    """The probed extra of ``func`` (cached by signature), or ``factor`` × its largest tensor."""
     tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
     largest = max((_bytes_of(t) for t in tensors), default=0)
     if sum(_bytes_of(t) for t in tensors) * 2 > PROBE_BUDGET_BYTES:

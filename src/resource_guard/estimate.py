@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -316,7 +317,7 @@ def _trace(
     device_kind: str,
 ) -> MemoryEstimate:
     started = time.perf_counter()
-    tracker = StorageTracker(_kernels.kernel_extra)
+    tracker = StorageTracker(functools.partial(_kernels.kernel_extra, device_kind=device_kind))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     spans: list[tuple[str, int, int]] = []
     fused = _fused_attention() if device_kind in ("cuda", "rocm") else contextlib.nullcontext()
