@@ -264,8 +264,9 @@ class RunMonitor:
                 self._guard("profiler", self._profiler.step, off="_profiler")
             if self._step == 1 or self._step % self.log_every_n_steps == 0:
                 self._log_interval()
-            if self._sampler is not None:
-                self._warn_sampler()
+                if self._sampler is not None:
+                    self._warn_sampler()
+            timer.resume(_clock())  # profiling and logging are the monitor's time, not a data wait
         except Exception as exc:
             self._break(exc)
 

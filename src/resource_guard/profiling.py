@@ -245,6 +245,7 @@ class StepProfiler:
         self._captured: Any = None
         self._steps_seen = 0
         self._finished = False
+        self._cut_short = False
 
     @property
     def running(self) -> bool:
@@ -287,7 +288,9 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         if prof is not None:
             self._finished = True
+            recorded = self._captured is not None
             prof.stop()
+            self._cut_short = not recorded and self._captured is not None
 
     def summarize(self) -> ProfileSummary | None:
         """Summary of the recorded window and the trace file; ``None`` if nothing was recorded."""
@@ -296,6 +299,9 @@ class StepProfiler:
         if prof is None:
             return None
         records = _records(prof)
+        if self._cut_short:  # the last ProfilerStep span runs from the last step() to stop(): no step
+            last = max((i for i, r in enumerate(records) if r.name.startswith("ProfilerStep")), default=None)
+            records = [r for i, r in enumerate(records) if i != last]
         steps = sum(1 for r in records if r.name.startswith("ProfilerStep"))
         notes: list[str] = []
         if steps < self.window.active:

@@ -87,6 +87,12 @@ class StepTimer:
     def steps(self) -> int:
         return self._steps
 
+    def resume(self, now: float) -> None:
+        """Leave the time since the last event out of the interval (the monitor's own logging work)."""
+        if not self._in_step:
+            self._begin += now - self._mark
+            self._mark = now
+
     def take(self, now: float) -> Interval:
         """The interval since the previous ``take`` (or the start); starts the next one at ``now``."""
         interval = Interval(
