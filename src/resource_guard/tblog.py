@@ -140,7 +140,11 @@ def memory_picture(
     img = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(img)
     left, right, top, bottom = 70, width - 190, 30, height - 40
-    values = np.array([list(v) for _, v in timeline], dtype=np.float64).reshape(len(timeline), -1)
+    values = (
+        np.array([list(v) for _, v in timeline], dtype=np.float64).reshape(len(timeline), -1)
+        if timeline
+        else np.zeros((0, len(categories)))
+    )
     peak = float(values.sum(axis=1).max()) if len(values) else 0.0
     capacity = float(capacity_bytes or 0)
     show_capacity = 0 < capacity <= 4 * max(peak, 1.0)
