@@ -92,7 +92,7 @@ def test_memory_picture_draws_the_capacity_when_it_is_near_the_peak() -> None:
     far = memory_picture(timeline, capacity_bytes=10**12, width=600, height=200)
     assert red_pixels(far) < red_pixels(near) / 2  # off scale: written in the legend, not drawn
     assert png_bytes(near).startswith(b"\x89PNG\r\n\x1a\n")
-    assert memory_picture([], None, width=120, height=80).shape == (80, 120, 3)
+    assert memory_picture([], None, width=120, height=80).shape == (160, 400, 3)
 
 
 def test_the_monitor_writes_the_picture_of_its_estimate(tmp_path: Path) -> None:

@@ -133,10 +133,11 @@ def memory_picture(
     """Stacked bytes by category over the step, phases marked, capacity as a red line; HWC uint8.
 
     When the capacity is more than ~4x the peak (a CPU's RAM), the y axis follows the peak and the
-    capacity is written in the legend instead of drawn.
+    capacity is written in the legend instead of drawn. At least 400 x 160 pixels.
     """
     from PIL import Image, ImageDraw
 
+    width, height = max(width, 400), max(height, 160)  # room for the axis labels and the legend
     img = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(img)
     left, right, top, bottom = 70, width - 190, 30, height - 40
