@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .allocator import DeviceFit
+from .context import Guard, guard
 from .devices import Catalog, DeviceSpec, load_catalog, parse_bytes, resolve_device
 from .errors import ConfigurationError, DoesNotFitError, ResourceGuardError, ResourceGuardWarning, TraceError
 from .estimate import CATEGORIES, MemoryEstimate, estimate_memory
 from .measure import MeasuredStep, measure_training_step
+from .planner import Plan, plan
 from .precision import PRECISIONS, PrecisionSpec, parse_precision
+
+if TYPE_CHECKING:
+    from .lightning_callback import ResourceGuard
 
 __version__ = "0.1.0"
 
@@ -19,16 +26,30 @@ __all__ = [
     "DeviceFit",
     "DeviceSpec",
     "DoesNotFitError",
+    "Guard",
     "MeasuredStep",
     "MemoryEstimate",
+    "Plan",
     "PrecisionSpec",
+    "ResourceGuard",
     "ResourceGuardError",
     "ResourceGuardWarning",
     "TraceError",
     "estimate_memory",
+    "guard",
     "load_catalog",
     "measure_training_step",
     "parse_bytes",
     "parse_precision",
+    "plan",
     "resolve_device",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Lightning is imported only when the callback is asked for
+    if name == "ResourceGuard":
+        from .lightning_callback import ResourceGuard
+
+        return ResourceGuard
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """The planner's micro-batch search: cached estimate traces and interpolation over divisors.
 
-Private to :mod:`resource_guard.plan` (rule 5 of its docstring). A :class:`Tracer` owns the traces
+Private to :mod:`resource_guard.planner` (rule 5 of its docstring). A :class:`Tracer` owns the traces
 (one ``estimate_memory`` per distinct ``(checkpointing, micro-batch)``, counted) and evaluates them per
 strategy without tracing again; :func:`search_largest` finds the largest divisor that fits.
 """
@@ -22,7 +22,7 @@ from .strategy import RankMemory, rank_fit, rank_memory
 if TYPE_CHECKING:
     from .allocator import DeviceFit
     from .devices import DeviceSpec
-    from .plan import Alternative
+    from .planner import Alternative
 
 __all__ = ["Candidate", "Tracer", "search_largest"]
 
@@ -130,7 +130,7 @@ class Tracer:
 
     def alternatives(self, per_rank: int, cost_fn: Callable[..., float]) -> tuple[Alternative, ...]:
         """Every evaluated configuration as a table row: fitting ones first, cheapest first."""
-        from .plan import Alternative
+        from .planner import Alternative
 
         rows = [
             Alternative(

@@ -21,7 +21,8 @@ The rules, each covered by a test:
    ``m + 8`` sample-units (fixed per-step overhead); activation checkpointing multiplies compute by
    1.3 (one more forward); FSDP by 1.1 against DDP (the extra all-gathers). So the full batch is best,
    then the largest micro-batch with accumulation; checkpointing only when nothing fits without it or
-   when it allows a much larger micro-batch (e.g. 4× a micro-batch below ~20).
+   when its larger micro-batch makes the step at least 10% cheaper by this model (e.g. 4× a
+   micro-batch below ~16).
 5. **Search**: peak memory is near-linear in the micro-batch. The planner traces the full per-rank
    batch (done if it fits), then micro-batch 1, interpolates to the largest divisor predicted to fit,
    and verifies by tracing it and the next divisor up until the largest fitting divisor has a traced
@@ -69,6 +70,7 @@ from .strategy import RankMemory, gpus_needed, unit_param_bytes
 __all__ = ["Alternative", "NoFitReport", "Plan", "plan", "choose_precision", "relative_cost"]
 
 CHECKPOINT_COST = 1.3
+CHECKPOINT_MARGIN = 0.9
 FSDP_COST = 1.1
 MICRO_STEP_OVERHEAD_SAMPLES = 8
 _MiB = 2**20
@@ -390,7 +392,11 @@ def plan(
     rows = tracer.alternatives(per_rank, cost_fn=relative_cost)
     if not found:
         raise _no_fit(tracer, spec, catalog, headroom, rows, units, per_rank)
-    best = min(found, key=lambda c: (round(cost(c), 6), c.ckpt, c.strategy == "fsdp"))
+    plain = [c for c in found if not c.ckpt]
+    best = min(plain or found, key=lambda c: (round(cost(c), 6), c.strategy == "fsdp"))
+    ckpt_best = min((c for c in found if c.ckpt), key=cost, default=None)
+    if plain and ckpt_best is not None and cost(ckpt_best) < CHECKPOINT_MARGIN * cost(best):
+        best = ckpt_best
     rows = tuple(
         Alternative(**{**r.__dict__, "chosen": (r.micro_batch_size, r.checkpointing, r.strategy, r.fits)
                        == (best.micro, best.ckpt, best.strategy, True)})
@@ -502,7 +508,7 @@ def _no_fit(
             f"FSDP full-shard over {count.count} × {spec.name} "
             f"({count.per_rank_bytes / _MiB:,.1f} MiB per rank)"
         )
-    if not smallest.ckpt and tracer.blocks:
+    if tracer.blocks and not any(c.ckpt for c in tracer.evaluated.values()):
         tips.append("activation checkpointing was not allowed; checkpointing='auto' may help")
     if tracer.precision in ("32-true", "16-mixed", "bf16-mixed"):
         tips.append("bf16-true halves parameter, gradient and optimizer-state bytes")

@@ -41,38 +41,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .batching import split_batch
 from .errors import ConfigurationError, ResourceGuardWarning
 from .precision import autocast_context, parse_precision
 from .step import LossFn, batch_size_of, map_tensors
 
 if TYPE_CHECKING:
     from .devices import DeviceSpec
-    from .plan import Plan
+    from .planner import Plan
 
-__all__ = ["Guard", "guard", "split_batch", "torch_device_of"]
-
-
-def split_batch(batch: Any, size: int) -> list[Any]:
-    """Split a nested batch along dim 0 into chunks of at most ``size`` (views, no copies).
-
-    Non-tensor leaves and 0-d tensors are shared by every chunk.
-
-    >>> [b.shape[0] for b in split_batch(torch.zeros(10, 3), 4)]
-    [4, 4, 2]
-    """
-    n = batch_size_of(batch)
-    if n is None:
-        raise ConfigurationError(
-            "cannot split this batch into micro-batches: its tensors do not share one leading (batch) "
-            "dimension. Give every tensor the batch as dim 0, or pass `target_batch_size` equal to the "
-            "loader's batch size so no split is needed."
-        )
-    if size >= n:
-        return [batch]
-    return [
-        map_tensors(lambda t, s=start: t[s : s + size] if t.dim() > 0 else t, batch)
-        for start in range(0, n, size)
-    ]
+__all__ = ["Guard", "guard", "torch_device_of"]
 
 
 def torch_device_of(spec: DeviceSpec) -> torch.device:
@@ -106,7 +84,7 @@ class Guard:
     """The context manager returned by :func:`guard`; see the module docstring.
 
     Attributes:
-        plan: the :class:`~resource_guard.plan.Plan` once made (``None`` before the first batch when
+        plan: the :class:`~resource_guard.planner.Plan` once made (``None`` before the first batch when
             no ``sample_batch`` was given).
         device: the torch device the run uses (``None`` until planned).
         optimizer_steps: optimizer steps taken (skipped GradScaler steps included).
@@ -209,7 +187,7 @@ class Guard:
     # set-up
 
     def _setup(self, batch: Any) -> None:
-        from .plan import plan
+        from .planner import plan
 
         target = self._target if self._target is not None else batch_size_of(batch)
         if target is None:
