@@ -66,6 +66,24 @@ def test_scalars_text_and_image_land_in_the_event_file(tmp_path: Path) -> None:
     assert (image.width, image.height) == (6, 4)
 
 
+def test_the_private_file_writer_hook_still_exists(tmp_path: Path) -> None:
+    """``TBLog.scalars`` writes one event per step through ``SummaryWriter._get_file_writer``."""
+    writer = SummaryWriter(str(tmp_path))
+    assert tblog._file_writer(writer) is not None, "torch moved SummaryWriter._get_file_writer"
+    writer.close()
+
+
+def test_other_writers_get_add_scalar_calls() -> None:
+    calls: list[tuple[str, float, int]] = []
+
+    class Minimal:
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            calls.append((tag, value, step))
+
+    TBLog(Minimal()).scalars(2, {"a": 1.0, "b": None})
+    assert calls == [("resource_guard/a", 1.0, 2)]
+
+
 def test_a_given_writer_is_flushed_but_not_closed(tmp_path: Path) -> None:
     writer = SummaryWriter(str(tmp_path))
     log = TBLog(writer)

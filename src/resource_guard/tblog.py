@@ -87,11 +87,22 @@ class TBLog:
         self.writer.add_custom_scalars(custom_scalar_layout())
 
     def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
-        """Write ``values`` as ``resource_guard/<key>`` at ``step``; ``None`` and NaN are skipped."""
+        """Write ``values`` as ``resource_guard/<key>`` at ``step``; ``None`` and NaN are skipped.
+
+        All values go into one event (one queue hand-off to the writer thread instead of one per tag,
+        which costs the training thread ~10x less); writers without that path get ``add_scalar`` calls.
+        """
         writer = self.writer
-        for key, value in values.items():
-            if value is not None and value == value:
-                writer.add_scalar(TAG_PREFIX + key, float(value), step)
+        kept = {TAG_PREFIX + k: float(v) for k, v in values.items() if v is not None and v == v}
+        file_writer = _file_writer(writer)
+        if file_writer is None:
+            for tag, value in kept.items():
+                writer.add_scalar(tag, value, step)
+            return
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in kept.items()])
+        file_writer.add_summary(summary, step)
 
     def text(self, tag: str, markdown: str, step: int = 0) -> None:
         self.writer.add_text(TAG_PREFIX + tag, markdown, step)
@@ -112,6 +123,19 @@ class TBLog:
             writer.close()
         else:
             writer.flush()
+
+
+def _file_writer(writer: Any) -> Any:
+    """The ``FileWriter`` behind a torch ``SummaryWriter`` (``_get_file_writer``, not public API), or None.
+
+    The one private hook of this package's TensorBoard output; ``test_tblog`` fails loudly if it moves.
+    Anything else (a tensorboardX writer, a test double) falls back to ``add_scalar``.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    getter = getattr(writer, "_get_file_writer", None) if isinstance(writer, SummaryWriter) else None
+    file_writer = getter() if callable(getter) else None
+    return file_writer if callable(getattr(file_writer, "add_summary", None)) else None
 
 
 def _gib(n: float) -> str:
