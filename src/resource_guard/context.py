@@ -230,7 +230,7 @@ class Guard:
                 self._log_dir,
                 device=self.device or "cpu",
                 estimate=plan.estimate,
-                capacity_bytes=plan.fit.capacity_bytes,
+                capacity_bytes=_monitor_capacity(plan, self.device),
                 device_spec=plan.device,
                 profile=self._profile,
                 precision=plan.precision,
@@ -378,6 +378,19 @@ class Guard:
             if measured is not None and plan.fit.allocated_peak_bytes:
                 out["estimate_error"] = plan.fit.allocated_peak_bytes / measured - 1
         return out
+
+
+def _monitor_capacity(plan: Plan, device: torch.device | None) -> int:
+    """The capacity the run's measured peak is compared with.
+
+    On the CPU the monitor measures the process's RSS, interpreter and libraries included, so a
+    ``memory_limit`` (which caps tensor bytes) is no fair yardstick for it: the host's RAM is.
+    """
+    if device is not None and device.type == "cpu":
+        from .devices import resolve_device
+
+        return resolve_device("cpu").memory_bytes
+    return plan.fit.capacity_bytes
 
 
 def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
