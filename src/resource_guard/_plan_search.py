@@ -20,11 +20,25 @@ from .step import LossFn
 from .strategy import RankMemory, rank_fit, rank_memory
 
 if TYPE_CHECKING:
+    from ._plan_report import Alternative
     from .allocator import DeviceFit
     from .devices import DeviceSpec
-    from .planner import Alternative
 
-__all__ = ["Candidate", "Tracer", "search_largest"]
+__all__ = ["Candidate", "Tracer", "search_largest", "relative_cost"]
+
+CHECKPOINT_COST = 1.3
+CHECKPOINT_MARGIN = 0.9
+FSDP_COST = 1.1
+MICRO_STEP_OVERHEAD_SAMPLES = 8
+
+
+def relative_cost(
+    micro: int, per_rank: int, *, checkpointing: bool = False, strategy: str = "single"
+) -> float:
+    """Time per sample relative to the full per-rank batch without checkpointing (see rule 4)."""
+    k = MICRO_STEP_OVERHEAD_SAMPLES
+    cost = ((micro + k) / micro) / ((per_rank + k) / per_rank)
+    return cost * (CHECKPOINT_COST if checkpointing else 1.0) * (FSDP_COST if strategy == "fsdp" else 1.0)
 
 
 @dataclass(frozen=True)
@@ -130,7 +144,7 @@ class Tracer:
 
     def alternatives(self, per_rank: int, cost_fn: Callable[..., float]) -> tuple[Alternative, ...]:
         """Every evaluated configuration as a table row: fitting ones first, cheapest first."""
-        from .planner import Alternative
+        from ._plan_report import Alternative
 
         rows = [
             Alternative(

@@ -1,0 +1,183 @@
+"""What the planner says: the alternatives table, the reasons of a plan, the report when nothing fits.
+
+Private to :mod:`resource_guard.planner`, which re-exports :class:`Alternative` and :class:`NoFitReport`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._plan_search import CHECKPOINT_COST, Candidate, Tracer
+from .batching import divisors
+from .devices import Catalog, DeviceSpec
+from .errors import DoesNotFitError
+from .strategy import gpus_needed
+
+__all__ = ["Alternative", "NoFitReport", "render_table", "batch_reasons", "no_fit_error"]
+
+_MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One configuration the planner considered (a row of the alternatives table)."""
+
+    precision: str
+    checkpointing: bool
+    micro_batch_size: int
+    accumulation_steps: int
+    strategy: str
+    world_size: int
+    predicted_peak_bytes: int
+    fits: bool
+    relative_cost: float
+    chosen: bool = False
+
+    def config(self) -> str:
+        ckpt = " +ckpt" if self.checkpointing else ""
+        where = f" {self.strategy}×{self.world_size}" if self.strategy != "single" else ""
+        return f"{self.micro_batch_size}×{self.accumulation_steps} {self.precision}{ckpt}{where}"
+
+
+def render_table(rows: tuple[Alternative, ...]) -> str:
+    """The alternatives as a markdown table."""
+    lines = ["| config (micro×accum) | predicted peak | fits | relative cost |", "|---|---:|:-:|---:|"]
+    for r in rows:
+        mark = " **(chosen)**" if r.chosen else ""
+        peak = f"{r.predicted_peak_bytes / _MiB:,.1f} MiB"
+        lines.append(f"| {r.config()}{mark} | {peak} | {'yes' if r.fits else 'no'} | {r.relative_cost:.2f} |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class NoFitReport:
+    """Why nothing fits and what would (the ``report`` of :class:`DoesNotFitError`)."""
+
+    device: str
+    capacity_bytes: int
+    usable_bytes: int
+    needed_bytes: int
+    smallest_config: str
+    alternatives: tuple[Alternative, ...]
+    fitting_devices: tuple[str, ...]
+    gpus_needed: int | None
+    suggestions: tuple[str, ...]
+    traces: int
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["alternatives"] = [dict(a.__dict__, config=a.config()) for a in self.alternatives]
+        out["fitting_devices"], out["suggestions"] = list(self.fitting_devices), list(self.suggestions)
+        return out
+
+    def summary(self) -> str:
+        head = (
+            f"Nothing fits {self.device}: the smallest configuration ({self.smallest_config}) needs "
+            f"{self.needed_bytes / _MiB:,.1f} MiB, {self.usable_bytes / _MiB:,.1f} MiB usable "
+            f"(capacity {self.capacity_bytes / _MiB:,.1f} MiB)."
+        )
+        return "\n".join([head, *(f"- {s}" for s in self.suggestions), "", render_table(self.alternatives)])
+
+
+def batch_reasons(
+    best: Candidate,
+    found: list[Candidate],
+    per_rank: int,
+    target: int,
+    world: int,
+    tracer: Tracer,
+) -> list[str]:
+    """One line per decision about the batch, checkpointing and strategy of the chosen candidate."""
+    out = []
+    usable = best.fit.usable_bytes
+    if best.micro == per_rank:
+        out.append(f"the full per-rank batch of {per_rank} fits: no accumulation")
+    else:
+        over = tracer.smallest_failing(best.ckpt, best.strategy, best.micro)
+        more = f"; {over[0]} needs {over[1] / _MiB:,.1f} MiB" if over else ""
+        out.append(
+            f"micro-batch {best.micro} × {per_rank // best.micro} accumulation steps: the largest divisor of "
+            f"{per_rank} that fits {usable / _MiB:,.1f} MiB usable{more}"
+        )
+        reach = tracer.interpolated_limit(best.ckpt, best.strategy, best.micro)
+        if reach is not None and reach >= 1.25 * best.micro:
+            divs = divisors(per_rank)
+            why = (
+                f"{per_rank} is prime: its only divisors are 1 and {per_rank}"
+                if len(divs) == 2
+                else f"no divisor of {per_rank} lies between {best.micro} and {reach}"
+            )
+            out.append(
+                f"compromise: about {reach} samples per micro-batch would fit, but micro × accumulation × "
+                f"world_size must equal {target} exactly and {why}"
+            )
+    plain = [c for c in found if not c.ckpt and c.strategy == best.strategy]
+    if best.ckpt:
+        if plain:
+            out.append(
+                f"activation checkpointing on ({len(tracer.blocks)} modules): micro-batch {best.micro} "
+                f"instead of {plain[0].micro} without it outweighs its ≈{CHECKPOINT_COST - 1:.0%} "
+                "extra compute"
+            )
+        else:
+            out.append(f"activation checkpointing on ({len(tracer.blocks)} modules): nothing fits without it")
+    elif tracer.blocks:
+        out.append(
+            "activation checkpointing off: "
+            + ("not needed" if best.micro == per_rank else "not worth its cost")
+        )
+    if world > 1:
+        others = [c for c in found if c.strategy != best.strategy]
+        alt = f"; {others[0].strategy} would allow micro-batch {others[0].micro}" if others else ""
+        out.append(
+            f"strategy {best.strategy} over {world} ranks "
+            f"({best.fit.device_total_bytes / _MiB:,.1f} MiB per rank){alt}"
+        )
+    return out
+
+
+def no_fit_error(
+    tracer: Tracer,
+    spec: DeviceSpec,
+    catalog: Catalog,
+    headroom: float,
+    rows: tuple[Alternative, ...],
+    units: tuple[int, ...],
+) -> DoesNotFitError:
+    """The "does not fit" error: the smallest configuration tried, and what would make it fit."""
+    smallest = min(tracer.smallest_points(), key=lambda p: p.fit.device_total_bytes)
+    est, fit = smallest.estimate, smallest.fit
+    fitting = tuple(
+        d.name for d in sorted(catalog.values(), key=lambda d: d.memory_bytes)
+        if d.kind != "cpu" and est.for_device(d, headroom=headroom).fits
+    )  # fmt: skip
+    count = gpus_needed(est, spec, units=units, headroom=headroom) if spec.kind != "cpu" else None
+    config = (
+        f"micro-batch {smallest.micro} {tracer.precision}{' with checkpointing' if smallest.ckpt else ''}"
+    )
+    tips = []
+    if fitting:
+        tips.append(f"it would fit on: {', '.join(fitting)}")
+    if count is not None and count.count > 1:
+        tips.append(
+            f"FSDP full-shard over {count.count} × {spec.name} "
+            f"({count.per_rank_bytes / _MiB:,.1f} MiB per rank)"
+        )
+    if tracer.blocks and not any(c.ckpt for c in tracer.evaluated.values()):
+        tips.append("activation checkpointing was not allowed; checkpointing='auto' may help")
+    if tracer.precision in ("32-true", "16-mixed", "bf16-mixed"):
+        tips.append("bf16-true halves parameter, gradient and optimizer-state bytes")
+    report = NoFitReport(
+        device=spec.name,
+        capacity_bytes=fit.capacity_bytes,
+        usable_bytes=fit.usable_bytes,
+        needed_bytes=fit.device_total_bytes,
+        smallest_config=config,
+        alternatives=rows,
+        fitting_devices=fitting,
+        gpus_needed=count.count if count is not None else None,
+        suggestions=tuple(tips),
+        traces=tracer.count,
+    )
+    return DoesNotFitError(report.summary(), report)
