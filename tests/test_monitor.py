@@ -253,7 +253,8 @@ def test_healthy_run_is_not_input_bound(tmp_path: Path, one_thread: None) -> Non
                      loader_info={"num_workers": 0}, summary=False)  # fmt: skip
     train(mon, loader, model, steps=20)
     report = mon.close()
-    assert report is not None and report.finding("input-bound") is None, report.to_markdown()
+    assert report is not None
+    assert report.finding("input-bound") is None, report.to_markdown()
     assert report.verdict == "healthy"
     assert json.loads((tmp_path / "report.json").read_text())["verdict"] == "healthy"
 

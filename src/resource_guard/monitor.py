@@ -36,7 +36,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -48,7 +48,7 @@ from .sampler import Sampler, peak_rss_bytes, reset_peak_rss
 from .tblog import TBLog, memory_picture, png_bytes
 from .throughput import StepTimer, aggregate_rows, batch_counts, count_flops, peak_flops_per_s
 
-if False:  # typing only, without importing estimate (and its tracer) at run time
+if TYPE_CHECKING:  # estimate (and its tracer) is not imported at run time
     from .devices import DeviceSpec
     from .estimate import MemoryEstimate
 
@@ -203,9 +203,9 @@ class RunMonitor:
             self._tb = TBLog(self._writer_arg, self.log_dir)
             self._guard("TensorBoard", self._tb.layout, off="_tb")
         gpus: tuple[int, ...] = ()
-        if self.device.type == "cuda":
-            gpus = (self.device.index or 0,) if self.world_size > 1 or self.device.index is not None else ()
-            gpus = gpus or tuple(range(max(1, _visible_gpu_count())))
+        if self.device.type == "cuda":  # every visible GPU; under DDP each rank samples its own
+            own = self.device.index or 0
+            gpus = (own,) if self.world_size > 1 else tuple(range(max(own + 1, _visible_gpu_count())))
         self._sampler = Sampler(self.interval_s, gpus)
         self._guard("sampler", self._sampler.start, off="_sampler")
         if self.profile_window is not None:
