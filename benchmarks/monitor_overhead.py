@@ -175,9 +175,8 @@ def main() -> None:
     print(f"  start + close (outside the loop), median: {rows['start_plus_close_s_median'] * 1e3:.0f} ms")
     print(f"  profiler window (profile=True, first use in the process), one-time: {profile_cost:+.2f} s")
     for name, value in (("ratio of medians", ratio), ("direct", direct)):
-        print(
-            f"{'PASS' if value <= TARGET else 'FAIL'}: monitoring overhead ({name}) <= {TARGET:.1%} of step time"
-        )
+        verdict = "PASS" if value <= TARGET else "FAIL"
+        print(f"{verdict}: monitoring overhead ({name}) <= {TARGET:.1%} of step time")
     if max(abs(x) for x in rows["spread_off"]) > 5 * TARGET:
         print("note: the run-to-run spread is many times the target: the ratio is within noise here")
     if args.json:
