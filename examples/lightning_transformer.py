@@ -4,7 +4,7 @@
 Under a memory cap (``--memory-limit``) too small for the whole batch in one step, the callback keeps
 the effective batch and picks a smaller micro-batch with gradient accumulation::
 
-    python examples/lightning_transformer.py --batch-size 64 --memory-limit 40MiB --max-steps 4
+    python examples/lightning_transformer.py --batch-size 64 --memory-limit 16MiB --max-steps 4
 
 The script prints the decisions as ``plan: micro_batch_size=... accumulation=... ...`` (rank zero).
 """
@@ -12,7 +12,6 @@ The script prints the decisions as ``plan: micro_batch_size=... accumulation=...
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Sequence
 
 import lightning.pytorch as L
@@ -71,9 +70,9 @@ class TransformerLM(L.LightningModule):
         self,
         vocab_size: int = 256,
         seq_len: int = 64,
-        d_model: int = 128,
+        d_model: int = 64,
         n_heads: int = 4,
-        n_layers: int = 4,
+        n_layers: int = 2,
         lr: float = 3e-4,
         warmup_steps: int = 10,
     ) -> None:
@@ -83,6 +82,7 @@ class TransformerLM(L.LightningModule):
         self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
         self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
         self.ln = nn.LayerNorm(d_model)
+        nn.init.normal_(self.embed.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> ResourceGuard:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=64, help="the train loader's batch size")
     parser.add_argument("--target-batch-size", type=int, default=None, help="default: the loader's")
-    parser.add_argument("--memory-limit", default="40MiB", help="plan under this cap ('none': no cap)")
+    parser.add_argument("--memory-limit", default="16MiB", help="plan under this cap ('none': no cap)")
     parser.add_argument("--max-steps", type=int, default=4, help="optimizer steps")
     parser.add_argument("--precision", default="auto", help="ResourceGuard(precision=...)")
     parser.add_argument("--log-dir", default=None, help="TensorBoard + report directory (default: none)")
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> ResourceGuard:
             f"plan: micro_batch_size={d.micro_batch_size} accumulation={d.accumulation_steps} "
             f"precision={d.precision} checkpointing={d.checkpointing} "
             f"target_batch_size={d.target_batch_size} optimizer_steps={trainer.global_step} "
-            f"ppl={math.exp(float(trainer.callback_metrics['train_loss'])):.1f}"
+            f"loss={float(trainer.callback_metrics['train_loss']):.3f}"
         )
     return guard
 

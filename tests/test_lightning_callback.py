@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import resource_guard.plan as plan_module
+import resource_guard.planner as plan_module
 from resource_guard import _lightning_apply as ap
 from resource_guard.devices import resolve_device
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
@@ -471,10 +471,10 @@ def test_two_fit_calls_on_one_trainer(fake_plan):
     assert model.seen == [8, 8] and t.accumulate_grad_batches == 1 and data.batch_size == 16
 
 
-def test_teardown_twice_is_safe(fake_plan):
+def test_teardown_twice_is_safe(tmp_path, fake_plan):
     fake_plan(accumulation=2)
     guard = ResourceGuard(profile=False)
-    t, model = trainer(guard, max_steps=1, default_root_dir=None), Net()
+    t, model = trainer(guard, max_steps=1, default_root_dir=tmp_path), Net()
     t.fit(model, Data())
     guard.teardown(t, model, "fit")
     guard.teardown(t, model, "fit")
@@ -554,7 +554,40 @@ def _cap_between(model_cls, small: int, large: int) -> int:
     return int((lo + hi) / 2 / 0.9)
 
 
-def test_example_paths_exist():
-    root = Path(__file__).resolve().parents[1]
-    assert (root / "examples" / "lightning_transformer.py").exists()
-    assert (root / "configs" / "lightning_cli.yaml").exists()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_transformer_example_picks_accumulation_under_a_cap(monkeypatch, capsys):
+    """`examples/lightning_transformer.py` run as a script (in this interpreter: Lightning is imported)."""
+    import runpy
+
+    argv = ["lightning_transformer.py", "--max-steps", "1", "--memory-limit", "16MiB", "--batch-size", "64"]
+    monkeypatch.setattr("sys.argv", argv)
+    runpy.run_path(str(ROOT / "examples" / "lightning_transformer.py"), run_name="__main__")
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("plan:"))
+    fields = dict(item.split("=") for item in line.split()[1:])
+    micro, accumulation = int(fields["micro_batch_size"]), int(fields["accumulation"])
+    assert accumulation > 1 and micro * accumulation == int(fields["target_batch_size"]) == 64
+    assert fields["optimizer_steps"] == "1"
+
+
+@pytest.mark.slow
+def test_lightning_cli_config_adds_the_callback(tmp_path):
+    """`python examples/lightning_cli.py fit --config configs/lightning_cli.yaml` in a subprocess."""
+    import subprocess
+    import sys
+
+    command = [
+        sys.executable, str(ROOT / "examples" / "lightning_cli.py"), "fit",
+        "--config", str(ROOT / "configs" / "lightning_cli.yaml"),
+        "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "ResourceGuard plan" in output and "memory capped at 16.0 MiB" in output
+    assert "accumulation 1 " not in output.split("ResourceGuard plan")[1].splitlines()[0]
+    assert (tmp_path / "resource_guard" / "report.json").exists(), (
+        "the monitor ran, writing under the run dir"
+    )

@@ -33,7 +33,7 @@ from .precision import parse_precision
 from .profiling import ProfileWindow
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from .planner import Plan
 
 __all__ = ["ResourceGuard"]
 
@@ -65,7 +65,7 @@ class ResourceGuard(Callback):
         log_dir: where the monitor writes its report; default ``<trainer.log_dir>/resource_guard``.
 
     Attributes:
-        plan: the :class:`~resource_guard.plan.Plan` this rank made (``None`` before ``fit`` and on a
+        plan: the :class:`~resource_guard.planner.Plan` this rank made (``None`` before ``fit`` and on a
             resumed run, which re-applies the stored decisions without planning).
         decisions: what was applied (agreed across ranks), stored in checkpoints.
         report: the monitor's report once the run ended.
@@ -227,7 +227,7 @@ class ResourceGuard(Callback):
         loader_batch_size: int | None,
         target: int | None,
     ) -> ap.Decisions:
-        from .plan import plan
+        from .planner import plan
 
         optimizers = trainer.optimizers
         if len(optimizers) != 1:
@@ -312,14 +312,19 @@ class ResourceGuard(Callback):
                 (lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None
             )
         made = self.plan
+        # on a GPU the plan's capacity (a `memory_limit` cap included) is what the allocator peak is held
+        # against; on the CPU the monitor measures the whole process's RSS, held against the machine's RAM
+        on_gpu = made is not None and trainer.strategy.root_device.type == "cuda"
         self._monitor = RunMonitor(
             log_dir,
             device=trainer.strategy.root_device,
             log_every_n_steps=max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50)),
             profile=self.profile,
             estimate=made.estimate if made is not None else None,
-            capacity_bytes=made.fit.capacity_bytes if made is not None else None,
-            device_spec=made.device if made is not None and made.device.source == "detected" else None,
+            capacity_bytes=made.fit.capacity_bytes if on_gpu and made is not None else None,
+            device_spec=made.device
+            if on_gpu and made is not None and made.device.source == "detected"
+            else None,
             writer=writer,
             rank=trainer.global_rank,
             world_size=trainer.world_size,
