@@ -211,3 +211,14 @@ def test_report_command_without_a_report(tmp_path: Path, capsys: pytest.CaptureF
     (tmp_path / "report.json").write_text("{not json")
     assert report_command(str(tmp_path)) == 2
     assert "not a readable report" in capsys.readouterr().err
+
+
+def test_cli_report_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from resource_guard.cli import main
+
+    r = _write(tmp_path)
+    assert main(["report", str(tmp_path)]) == 0
+    assert f"**Verdict: {r.verdict}**" in capsys.readouterr().out
+    assert main(["report", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["findings"][0]["id"] == "input-bound"
+    assert main(["report", str(tmp_path / "missing")]) == 2

@@ -10,8 +10,10 @@ from .devices import Catalog, DeviceSpec, load_catalog, parse_bytes, resolve_dev
 from .errors import ConfigurationError, DoesNotFitError, ResourceGuardError, ResourceGuardWarning, TraceError
 from .estimate import CATEGORIES, MemoryEstimate, estimate_memory
 from .measure import MeasuredStep, measure_training_step
+from .monitor import RunMonitor
 from .planner import Plan, plan
 from .precision import PRECISIONS, PrecisionSpec, parse_precision
+from .report import Finding, Report
 
 if TYPE_CHECKING:
     from .lightning_callback import ResourceGuard
@@ -26,14 +28,17 @@ __all__ = [
     "DeviceFit",
     "DeviceSpec",
     "DoesNotFitError",
+    "Finding",
     "Guard",
     "MeasuredStep",
     "MemoryEstimate",
     "Plan",
     "PrecisionSpec",
+    "Report",
     "ResourceGuard",
     "ResourceGuardError",
     "ResourceGuardWarning",
+    "RunMonitor",
     "TraceError",
     "estimate_memory",
     "guard",

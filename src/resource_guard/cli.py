@@ -1,4 +1,4 @@
-"""``resource-guard``: pre-flight a training step from the command line, list devices.
+"""``resource-guard``: pre-flight a training step from the command line, list devices, print run reports.
 
 Exit codes: 0 fits, 1 does not fit, 2 bad input (a one-paragraph message, never a traceback).
 """
@@ -243,6 +243,12 @@ def _spec_dict(d: Any) -> dict[str, Any]:
     }
 
 
+def _report(args: argparse.Namespace) -> int:
+    from .report import report_command
+
+    return report_command(args.logdir, as_json=args.json)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resource-guard", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -266,6 +272,9 @@ def _parser() -> argparse.ArgumentParser:
     dev = sub.add_parser("devices", help="list the device catalog and the devices detected here")
     dev.add_argument("--catalog", default=None, help="a YAML device catalog merged over the bundled one")
     dev.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    rep = sub.add_parser("report", help="print the bottleneck report of a finished run")
+    rep.add_argument("logdir", help="the run's log dir (report.json in it or in a directory below it)")
+    rep.add_argument("--json", action="store_true", help="print report.json instead of markdown")
     return parser
 
 
@@ -276,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed its usage message
         return 2 if exc.code not in (0, None) else 0
-    handler = {"preflight": _preflight, "devices": _devices}[args.command]
+    handler = {"preflight": _preflight, "devices": _devices, "report": _report}[args.command]
     try:
         return handler(args)
     except (_BadInput, ConfigurationError) as exc:
