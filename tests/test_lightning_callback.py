@@ -349,17 +349,32 @@ def test_refuses_manual_optimization():
 
 
 def test_refuses_several_optimizers(fake_plan):
+    """Lightning 2 itself refuses several optimizers under automatic optimization; a custom strategy
+    could still hand over several: ResourceGuard plans for one and says so."""
     fake_plan()
+    guard = ResourceGuard(monitor=False)
+    t, model = trainer(guard, max_steps=1), Net()
+    t.fit(model, Data())
+    t.strategy.optimizers = [
+        torch.optim.SGD(model.blocks.parameters()),
+        torch.optim.SGD(model.head.parameters()),
+    ]
+    with pytest.raises(ConfigurationError, match="exactly one optimizer"):
+        guard._plan_locally(t, model, [torch.zeros(2, DIM), torch.zeros(2, 1)], 2, None)
 
-    class Two(Net):
-        def configure_optimizers(self):
-            return [torch.optim.SGD(self.blocks.parameters()), torch.optim.SGD(self.head.parameters())]
 
-        def training_step(self, batch, batch_idx):  # two optimizers need manual optimization in Lightning 2
-            return super().training_step(batch, batch_idx)
+def test_unknown_device_is_refused_in_setup_before_any_estimate():
+    StepCounter.calls = 0
+    with pytest.raises(ConfigurationError, match="nope"):
+        trainer(ResourceGuard(device="nope", monitor=False)).fit(StepCounter(), Data())
+    assert StepCounter.calls == 0
 
-    with pytest.raises((ConfigurationError, Exception), match="optimizer"):
-        trainer(ResourceGuard(monitor=False)).fit(Two(), Data())
+
+def test_plans_for_a_catalog_device(fake_plan):
+    calls = fake_plan(precision="16-mixed")
+    guard = ResourceGuard(device="t4", monitor=False)
+    trainer(guard, max_steps=1).fit(Net(), Data())
+    assert calls[0]["device"] == "t4" and guard.decisions.precision == "16-mixed"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -419,7 +434,7 @@ def test_plan_is_logged_to_console_and_tensorboard(tmp_path, caplog):
     events.Reload()
     assert "resource_guard/plan/text_summary" in events.Tags()["tensors"]
     text = events.Tensors("resource_guard/plan/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert "micro-batch" in text and "parameters" in text
+    assert "micro-batch" in text and "parameters" in text and "| config (micro×accum)" in text
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -401,10 +401,17 @@ class ResourceGuard(Callback):
         return "\n".join(lines)
 
     def _log(self, trainer: pl.Trainer, text: str) -> None:
+        """Console (rank zero), and TensorBoard text with the planner's table of alternatives."""
         rank_zero_info(text)
         if not trainer.is_global_zero:
             return
-        markdown = text.replace("\n", "  \n")
+        head, _, rest = text.partition("\n")
+        markdown = f"{head}\n\n{rest}" if rest else head
+        alternatives = getattr(self.plan, "alternatives", ())
+        if alternatives:
+            from ._plan_report import render_table
+
+            markdown += "\n\n" + render_table(alternatives)
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text(_TEXT_TAG, markdown, trainer.global_step)
