@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .allocator import DeviceFit
+from .checkpointing import apply_checkpointing
 from .context import Guard, guard
 from .devices import Catalog, DeviceSpec, load_catalog, parse_bytes, resolve_device
 from .errors import ConfigurationError, DoesNotFitError, ResourceGuardError, ResourceGuardWarning, TraceError
@@ -40,6 +41,7 @@ __all__ = [
     "ResourceGuardWarning",
     "RunMonitor",
     "TraceError",
+    "apply_checkpointing",
     "estimate_memory",
     "guard",
     "load_catalog",

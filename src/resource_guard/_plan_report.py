@@ -128,8 +128,12 @@ def batch_reasons(
             + ("not needed" if best.micro == per_rank else "not worth its cost")
         )
     if world > 1:
-        others = [c for c in found if c.strategy != best.strategy]
-        alt = f"; {others[0].strategy} would allow micro-batch {others[0].micro}" if others else ""
+        other = max((c for c in found if c.strategy != best.strategy), key=lambda c: c.micro, default=None)
+        alt = ""
+        if other is not None and other.micro > best.micro:
+            alt = f"; {other.strategy} would allow micro-batch {other.micro} but costs more"
+        elif other is not None:
+            alt = f"; {other.strategy} fits too but is slower (FSDP all-gathers parameters in every pass)"
         out.append(
             f"strategy {best.strategy} over {world} ranks "
             f"({best.fit.device_total_bytes / _MiB:,.1f} MiB per rank){alt}"
@@ -158,7 +162,7 @@ def no_fit_error(
     )
     tips = []
     if fitting:
-        tips.append(f"it would fit on: {', '.join(fitting)}")
+        tips.append(f"at {config} it would fit on: {', '.join(fitting)}")
     if count is not None and count.count > 1:
         tips.append(
             f"FSDP full-shard over {count.count} × {spec.name} "
