@@ -12,6 +12,8 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -606,3 +608,59 @@ def test_lightning_cli_config_adds_the_callback(tmp_path):
     assert (tmp_path / "resource_guard" / "report.json").exists(), (
         "the monitor ran, writing under the run dir"
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the agreement across ranks, with a fake strategy standing in for the collectives
+
+
+class FakeStrategy:
+    """all_gather / broadcast over a fixed set of per-rank rows (what DDP would gather)."""
+
+    def __init__(self, rows: list[list[int]], payloads: dict[int, bytes] | None = None) -> None:
+        self.rows, self.payloads = rows, payloads or {}
+        self.root_device = torch.device("cpu")
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(self.rows, dtype=torch.int64)
+
+    def broadcast(self, obj, src=0):
+        return self.payloads.get(src, obj)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    per_rank=st.sampled_from([4, 6, 8, 12, 16, 24, 32]),
+    world=st.integers(1, 4),
+    data=st.data(),
+)
+def test_agreement_picks_the_smallest_micro_batch_and_keeps_the_target(per_rank, world, data):
+    from resource_guard.batching import divisors
+
+    micros = [data.draw(st.sampled_from(divisors(per_rank))) for _ in range(world)]
+    ckpts = [data.draw(st.booleans()) for _ in range(world)]
+    target = per_rank * world
+    rows = [[0, m, per_rank // m, int(c), 0, target] for m, c in zip(micros, ckpts)]
+    me = data.draw(st.integers(0, world - 1))
+    mine = ap.Decisions(micros[me], per_rank // micros[me], "32-true", ckpts[me], target, world)
+    fake = types.SimpleNamespace(strategy=FakeStrategy(rows), global_rank=me)
+    chosen, error, source = ap.agree(fake, ap.Outcome(decisions=mine))
+    assert error is None
+    assert chosen.micro_batch_size == min(micros) == micros[source]
+    assert chosen.micro_batch_size * chosen.accumulation_steps * chosen.world_size == target
+    if ckpts[source] is False:
+        assert not any(c for m, c in zip(micros, ckpts) if m == min(micros))
+
+
+def test_agreement_gives_every_rank_the_failing_ranks_error():
+    import pickle
+
+    report = {"needed": 123}
+    rows = [[0, 8, 1, 0, 0, 16], [1, 0, 0, 0, 0, 0]]
+    payloads = {1: pickle.dumps(("nothing fits rank 1", report))}
+    fake = types.SimpleNamespace(strategy=FakeStrategy(rows, payloads), global_rank=0)
+    ok = ap.Outcome(decisions=ap.Decisions(8, 1, "32-true", False, 16, 2))
+    chosen, error, source = ap.agree(fake, ok)
+    assert chosen is None and source == 1
+    assert isinstance(error, DoesNotFitError) and error.report == report
+    assert str(error) == "pre-flight failed on rank 1 (every rank stops): nothing fits rank 1"

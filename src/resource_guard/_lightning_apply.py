@@ -191,7 +191,7 @@ def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Any
     The global RNG state is left as it was (a shuffling sampler draws its seed from it), and the fit
     loop's own loader is dropped afterwards so training starts on a fresh iterator.
     """
-    with isolate_rng():
+    with isolate_rng(include_cuda=False):  # loaders seed from the CPU generator; no CUDA context
         trainer.fit_loop.setup_data()
         loader = trainer.train_dataloader
         if loader is None:
@@ -434,7 +434,7 @@ def apply_decisions(
 def _check_rebuilt_loader(trainer: pl.Trainer, micro: int) -> None:
     """Rebuild the train loader with the new ``batch_size`` and check that it took; then drop it again
     so the fit loop builds its own after the checkpoint (if any) is restored."""
-    with isolate_rng():
+    with isolate_rng(include_cuda=False):  # loaders seed from the CPU generator; no CUDA context
         drop_train_dataloader(trainer)
         trainer.fit_loop.setup_data()
         loader = trainer.train_dataloader

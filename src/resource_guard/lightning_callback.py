@@ -210,14 +210,15 @@ class ResourceGuard(Callback):
             return
         assert decisions is not None
         self._apply(trainer, pl_module, decisions, loader_batch_size)
-        note = (
-            ""
-            if source_rank == trainer.global_rank or trainer.world_size == 1
-            else (f" (rank {source_rank}'s plan, the most conservative, applies to every rank)")
-        )
+        notes = []
+        if trainer.world_size > 1:
+            notes.append(
+                f"agreed across {trainer.world_size} ranks: rank {source_rank}'s plan, the most "
+                "conservative, applies to every rank"
+            )
         if restored is not None:
-            note += f" (re-planned: the checkpoint was made with world size {restored.world_size})"
-        self._log(trainer, self._render(trainer, decisions, time.perf_counter() - started) + note)
+            notes.append(f"re-planned: the checkpoint was made with world size {restored.world_size}")
+        self._log(trainer, self._render(decisions, time.perf_counter() - started, notes))
 
     def _plan_locally(
         self,
@@ -381,9 +382,9 @@ class ResourceGuard(Callback):
         self._restored = ap.Decisions.from_dict(found) if found else None
 
     # -- logging -------------------------------------------------------------------------------------
-    def _render(self, trainer: pl.Trainer, d: ap.Decisions, seconds: float) -> str:
+    def _render(self, d: ap.Decisions, seconds: float, notes: list[str]) -> str:
         fixed = self._fixed
-        lines = [f"ResourceGuard plan ({seconds:.1f} s): {_describe(d)}"]
+        lines = [f"ResourceGuard plan ({seconds:.1f} s): {_describe(d)}", *(f"- {n}" for n in notes)]
         if fixed.accumulation is not None:
             lines.append(f"- accumulation fixed by {fixed.accumulation_source}: planned around it")
         if fixed.precision is not None:
