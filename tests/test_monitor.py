@@ -9,6 +9,8 @@ from __future__ import annotations
 import doctest
 import json
 import math
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -456,23 +458,33 @@ def test_aggregation_goes_through_torchmetrics_when_distributed_is_initialised(t
         dist.destroy_process_group()
 
 
-def _ddp_worker(rank: int, store: str, out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
-        means, maxes = aggregate_rows([float(rank + 1), math.nan if rank else 5.0])
-        Path(out, f"{rank}.json").write_text(json.dumps([means, maxes]))
-    finally:
-        dist.destroy_process_group()
+_DDP_WORKER = """
+import json, math, sys
+import torch.distributed as dist
+from resource_guard.throughput import aggregate_rows
+rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+try:
+    means, maxes = aggregate_rows([float(rank + 1), math.nan if rank else 5.0])
+    open(f"{out}/{rank}.json", "w").write(json.dumps([means, maxes]))
+finally:
+    dist.destroy_process_group()
+"""
 
 
 @pytest.mark.slow
 def test_two_ranks_get_the_same_mean_and_max(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
-    args = (str(tmp_path / "store"), str(tmp_path))
-    mp.start_processes(_ddp_worker, args=args, nprocs=2, join=True, start_method="fork")  # fork: no re-import
+    # two fresh interpreters (forking this multi-threaded process can deadlock the children)
+    store = str(tmp_path / "store")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _DDP_WORKER, str(rank), store, str(tmp_path)])
+        for rank in (0, 1)
+    ]
+    try:
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
     for rank in (0, 1):
         means, maxes = json.loads((tmp_path / f"{rank}.json").read_text())
         assert means == [1.5, 5.0] and maxes == [2.0, 5.0]
