@@ -10,7 +10,9 @@ Contract: nothing raised inside monitoring reaches the training loop. Each faili
 the writer, the profiler) gives one ``ResourceGuardWarning`` and is switched off; only ``start()``
 raises, for a log dir that cannot be written. The first interval is the first step alone (start-up:
 data-loader workers, lazy inits); the run-level figures leave it out. Under ``torch.distributed``
-every rank aggregates each interval (collective), rank zero alone writes. The end-of-run summary goes
+every rank aggregates each interval (one collective per log boundary; every rank must reach the same
+step counts): gauges and times are the mean over ranks (``*_max`` tags add the slowest rank), peak
+memory the maximum, throughput the job's total; rank zero alone writes. The end-of-run summary goes
 to the ``resource_guard`` logger at INFO when that logger is enabled for INFO, else to stderr
 (``summary=False`` silences it).
 
@@ -65,7 +67,7 @@ METRIC_KEYS = (
     + tuple(f"host/{k}" for k in _HOST_KEYS)
     + tuple(f"gpu/{k}" for k in _GPU_KEYS)
 )
-_RANK_MAX_KEYS = ("time/step_s", "time/data_wait_share", "memory/peak_bytes")
+_RANK_MAX_KEYS = ("time/step_s", "time/data_wait_share")
 _NAN = math.nan
 
 
@@ -335,6 +337,7 @@ class RunMonitor:
         values = list(row.values())
         means, maxes = aggregate_rows(values, self._collective_device()) if collective else (values, values)
         agg = dict(zip(row, means))
+        agg["memory/peak_bytes"] = maxes[METRIC_KEYS.index("memory/peak_bytes")]  # the fullest rank counts
         for key in ("throughput/samples_per_s", "throughput/tokens_per_s"):
             agg[key] = agg[key] * self.world_size  # the mean rank's rate × ranks = the job's rate
         peak_fps = self._peak_flops()
