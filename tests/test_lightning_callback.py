@@ -664,3 +664,15 @@ def test_agreement_gives_every_rank_the_failing_ranks_error():
     assert chosen is None and source == 1
     assert isinstance(error, DoesNotFitError) and error.report == report
     assert str(error) == "pre-flight failed on rank 1 (every rank stops): nothing fits rank 1"
+
+
+def test_training_step_reading_the_trainer_falls_back_to_the_analytic_estimate():
+    class ReadsTrainer(Net):
+        def training_step(self, batch, batch_idx):
+            self.trainer.global_step  # noqa: B018 - a read, as user code does
+            return super().training_step(batch, batch_idx)
+
+    guard = ResourceGuard(monitor=False, precision="32-true")
+    with pytest.warns(ResourceGuardWarning, match="not attached to a `Trainer`"):
+        trainer(guard, max_steps=1).fit(ReadsTrainer(), Data())
+    assert guard.plan is not None and guard.plan.estimate.method == "analytic"

@@ -122,7 +122,8 @@ def run_ddp(
     out = tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    env.pop("LOCAL_RANK", None)
+    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # a fresh job: Lightning picks a free port and launches rank 1 itself
     proc = subprocess.Popen(
         [sys.executable, str(script), str(out), mode], cwd=tmp_path, env=env, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

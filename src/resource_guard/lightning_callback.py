@@ -8,6 +8,13 @@ the module or datamodule with the train dataloader rebuilt, Lightning's precisio
 checkpointing on the module), or stops with the full report before any step when nothing fits. While
 training, it monitors where the time goes (:class:`~resource_guard.monitor.RunMonitor`).
 
+``training_step`` is traced on a copy of the module detached from the Trainer: ``self.log`` is fine
+(silently skipped); code that reads ``self.trainer`` makes the estimate fall back to the conservative
+analytic count (with a warning). Under DDP every rank plans on its own batch, the ranks agree on the
+most conservative plan through a collective, and only rank zero logs and writes. When ``fit`` ends
+(or fails) the Trainer, module and datamodule are put back as the user configured them; the
+decisions stay in :attr:`ResourceGuard.decisions` and in checkpoints.
+
 Example:
     >>> import lightning.pytorch as L
     >>> from resource_guard.lightning_callback import ResourceGuard
@@ -29,7 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from . import _lightning_apply as ap
 from .devices import parse_bytes
 from .errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
-from .precision import parse_precision
+from .precision import PRECISIONS, parse_precision
 from .profiling import ProfileWindow
 
 if TYPE_CHECKING:
@@ -330,7 +337,7 @@ class ResourceGuard(Callback):
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             loader_info=ap.loader_info(trainer),
-            precision=str(trainer.precision) if str(trainer.precision) in _KNOWN else None,
+            precision=str(trainer.precision) if str(trainer.precision) in PRECISIONS else None,
         )
         self._monitor.start()
 
@@ -416,9 +423,6 @@ class ResourceGuard(Callback):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text(_TEXT_TAG, markdown, trainer.global_step)
-
-
-_KNOWN = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
 
 def _describe(d: ap.Decisions) -> str:
