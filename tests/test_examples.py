@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_readme_python_block_runs(capsys):
+def test_readme_python_block_runs(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the examples write their logs into the working directory
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks, "README has no python example"
