@@ -118,10 +118,22 @@ class MemoryEstimate:
 
 
 # -- input checks -----------------------------------------------------------------------------------
-def _check_inputs(model: Any, optimizer: Any, batch: Any) -> None:
+def _check_inputs(
+    model: Any, optimizer: Any, batch: Any, loss_fn: Any = None, who: str = "estimate_memory"
+) -> None:
+    """Refuse bad arguments of ``who`` (``estimate_memory`` or ``plan``) before any tracing."""
     if not isinstance(model, nn.Module):
+        raise ConfigurationError(f"`{who}(model=...)` must be a torch.nn.Module, got {type(model).__name__}.")
+    params = list(model.parameters())
+    if not params:
         raise ConfigurationError(
-            f"`estimate_memory(model=...)` must be a torch.nn.Module, got {type(model).__name__}."
+            f"`{who}(model=...)`: {type(model).__name__} has no parameters, so a training step has nothing "
+            "to train; pass the module that owns the weights."
+        )
+    if not any(p.requires_grad for p in params):
+        raise ConfigurationError(
+            f"`{who}(model=...)`: none of the {type(model).__name__}'s parameters requires grad, so a "
+            "training step has nothing to train; unfreeze some (`p.requires_grad_(True)`)."
         )
     if isinstance(optimizer, torch.optim.Optimizer):
         own = {id(p) for p in model.parameters()}
@@ -129,17 +141,24 @@ def _check_inputs(model: Any, optimizer: Any, batch: Any) -> None:
         if foreign:
             shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
             raise ConfigurationError(
-                f"the optimizer holds {len(foreign)} parameter(s) that are not the model's "
+                f"`{who}(optimizer=...)` holds {len(foreign)} parameter(s) that are not the model's "
                 f"(shapes {shapes}); build it over `model.parameters()`, or pass a factory "
                 "`lambda params: torch.optim.AdamW(params)`."
             )
     elif not callable(optimizer):
         raise ConfigurationError(
-            "`optimizer` must be a torch.optim.Optimizer over the model's parameters or a factory "
-            f"`params -> Optimizer`, got {type(optimizer).__name__}."
+            f"`{who}(optimizer=...)` must be a torch.optim.Optimizer over the model's parameters or a "
+            f"factory `params -> Optimizer`, got {type(optimizer).__name__}."
         )
     if batch is None:
-        raise ConfigurationError("`batch` is None: pass one sample batch as the training loop receives it.")
+        raise ConfigurationError(
+            f"`{who}(batch=None)`: pass one sample batch as the training loop receives it."
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigurationError(
+            f"`{who}(loss_fn={loss_fn!r})` must be a callable `(model, batch) -> loss` or None "
+            "(then the model's output is the loss)."
+        )
 
 
 def _default_kind(model: nn.Module) -> str:
@@ -436,10 +455,11 @@ def estimate_memory(
         >>> est.breakdown["optimizer_state"] >= 2 * est.breakdown["parameters"]
         True
     """
-    _check_inputs(model, optimizer, batch)
+    _check_inputs(model, optimizer, batch, loss_fn)
     spec = parse_precision(precision)
     kind = _device_kind(device) if device is not None else _default_kind(model)
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+    # a step needs autograd: the caller's no_grad / inference_mode must not leak into the trace
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
         try:
             return _trace(model, optimizer, batch, loss_fn, spec, kind)
         except ConfigurationError:
@@ -462,10 +482,19 @@ def _first_line(exc: BaseException) -> str:
 def _device_kind(device: Any) -> str:
     if hasattr(device, "kind"):
         return str(device.kind)
-    name = str(device).lower()
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigurationError(
+            f"`estimate_memory(device={device!r})` must be a device kind ('cuda', 'cpu', 'mps'), a catalog "
+            "name such as 'a100-40gb', a DeviceSpec or None."
+        )
+    name = str(device).strip().lower()
     for kind in ("cuda", "cpu", "mps", "rocm"):
         if name == kind or name.startswith(kind + ":"):
             return kind
     from .devices import resolve_device
 
-    return resolve_device(name).kind
+    try:
+        return resolve_device(name).kind
+    except ConfigurationError as exc:
+        detail = str(exc).partition("`: ")[2] or str(exc)  # drop resolve_device's own call quote
+        raise ConfigurationError(f"`estimate_memory(device={device!r})`: {detail}") from None

@@ -48,6 +48,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -72,7 +73,7 @@ from .batching import divisors
 from .checkpointing import find_checkpoint_blocks
 from .devices import Catalog, DeviceSpec, load_catalog, parse_bytes, resolve_device
 from .errors import ConfigurationError, ResourceGuardWarning
-from .estimate import MemoryEstimate, OptimizerArg
+from .estimate import MemoryEstimate, OptimizerArg, _check_inputs
 from .precision import parse_precision
 from .step import LossFn, batch_size_of
 from .strategy import RankMemory, unit_param_bytes
@@ -248,7 +249,7 @@ def plan(
     world_size: int = 1,
     strategy: str = "auto",
     memory_limit: int | str | None = None,
-    catalog: Catalog | None = None,
+    catalog: Catalog | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """Choose the fastest training configuration that fits (rules in the module docstring).
 
@@ -264,7 +265,8 @@ def plan(
         world_size: number of data-parallel ranks.
         strategy: ``"auto"``, ``"single"``, ``"ddp"`` or ``"fsdp"``.
         memory_limit: plan as if the device had only this much memory (bytes or ``"6GiB"``).
-        catalog: the device catalog (default: the bundled one merged with the user's).
+        catalog: the device catalog, or the path of a catalog file merged over the bundled one
+            (default: the bundled catalog).
 
     Returns:
         A :class:`Plan`.
@@ -274,11 +276,25 @@ def plan(
         DoesNotFitError: no configuration fits; ``err.report`` is a :class:`NoFitReport`.
     """
     _check_args(headroom, target_batch_size, world_size, strategy, checkpointing)
-    catalog = catalog if catalog is not None else load_catalog()
-    spec = resolve_device(device, catalog)
+    _check_inputs(model, optimizer, batch, loss_fn, who="plan")
+    if catalog is None or isinstance(catalog, (str, os.PathLike)):
+        catalog = load_catalog(catalog)
+    elif not isinstance(catalog, Catalog):
+        raise ConfigurationError(
+            f"`plan(catalog={catalog!r})` must be a Catalog (`load_catalog(path)`), a catalog file path "
+            "or None"
+        )
+    try:
+        spec = resolve_device(device, catalog)
+    except ConfigurationError as exc:
+        detail = str(exc).partition("`: ")[2] or str(exc)  # drop resolve_device's own call quote
+        raise ConfigurationError(f"`plan(device={device!r})`: {detail}") from None
     reasons = [f"device {spec.name} ({spec.kind}): " + ("asked for" if device != "auto" else "auto-detected")]
     if memory_limit is not None:
-        limit = parse_bytes(memory_limit)
+        try:
+            limit = parse_bytes(memory_limit)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"`plan(memory_limit={memory_limit!r})`: {exc}") from None
         if limit <= 0:
             raise ConfigurationError(f"`plan(memory_limit={memory_limit!r})` must be more than 0 bytes")
         spec = spec.with_memory(limit)
@@ -292,7 +308,12 @@ def plan(
 
     sample = batch_size_of(batch)
     if sample is None:
-        raise ConfigurationError("`plan`: cannot tell the sample batch's size (no common leading dimension).")
+        raise ConfigurationError(
+            "`plan(batch=...)`: cannot tell the sample batch's size: its tensors share no leading dimension "
+            "(every tensor with a dimension must have the batch size first)."
+        )
+    if sample == 0:
+        raise ConfigurationError("`plan(batch=...)`: the sample batch has 0 rows; pass at least one sample.")
     target = target_batch_size if target_batch_size is not None else sample * world_size
     if target % world_size:
         raise ConfigurationError(

@@ -88,6 +88,11 @@ def _as_loss(output: Any) -> torch.Tensor:
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss.reshape(())
+    if isinstance(loss, torch.Tensor):
+        raise ConfigurationError(
+            f"the output's loss has shape {tuple(loss.shape)}, not a scalar; reduce it (e.g. `.mean()`) in "
+            "the model or the loss function (`loss_fn=lambda model, batch: ...`)."
+        )
     raise ConfigurationError(
         f"cannot find a scalar loss in the model's output ({type(output).__name__}): it is neither a "
         "scalar tensor nor has `.loss` / `['loss']`; pass `loss_fn=lambda model, batch: ...` that returns it."
@@ -95,9 +100,15 @@ def _as_loss(output: Any) -> torch.Tensor:
 
 
 def call_loss_fn(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
-    """Run ``loss_fn`` (or the default) and return a scalar loss tensor."""
-    output = (loss_fn or default_loss_fn)(model, batch)
-    return _as_loss(output)
+    """Run ``loss_fn`` (or the default) and return a scalar loss tensor that autograd can differentiate."""
+    loss = _as_loss((loss_fn or default_loss_fn)(model, batch))
+    if not loss.requires_grad:
+        raise ConfigurationError(
+            f"the loss ({loss.dtype}) does not require grad, so backward has nothing to differentiate: "
+            "compute it from the model's output, outside `torch.no_grad()` / `torch.inference_mode()` and "
+            "without `.detach()` or `.item()`."
+        )
+    return loss
 
 
 def training_step(
