@@ -48,6 +48,8 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied weights
+        nn.init.normal_(self.embed.weight, std=0.02)  # GPT-2's scale: unit-variance logits at init
+        nn.init.normal_(self.pos.weight, std=0.02)
         self.register_buffer(
             "causal_mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False
         )
