@@ -484,9 +484,10 @@ class RunMonitor:
             if off is not None:
                 obj = getattr(self, off, None)
                 setattr(self, off, None)
-                if off == "_profiler" and obj is not None:
+                release = getattr(obj, "close", None) or getattr(obj, "stop", None)
+                if release is not None:  # a part switched off still lets go of its thread and files
                     with contextlib.suppress(Exception):  # already reporting the first error
-                        obj.stop()
+                        release()
             _warn(f"{part} disabled: {type(exc).__name__}: {exc}")
             return None
 
