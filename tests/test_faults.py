@@ -26,7 +26,6 @@ import json
 import signal
 import threading
 import time
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-import resource_guard.monitor as monitor_module
+from fake_cuda import PEAK_BYTES
+from fake_cuda import install as install_fake_cuda
 from fake_pynvml import FakeGpu, install
 from resource_guard import guard
 from resource_guard.errors import ResourceGuardWarning
@@ -407,49 +407,10 @@ def test_lightning_keyboard_interrupt_is_a_graceful_stop(tmp_path: Path, sigint:
 # degrading: one warning each, training completes, the report is written
 
 
-class FakeEvent:
-    """``torch.cuda.Event`` without a GPU: 1 ms between any two events."""
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end: FakeEvent) -> float:
-        return 1.0
-
-
-PEAK_BYTES = 123 * 2**20
-
-
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The front doors' monitor believes it runs on ``cuda:0`` (``torch.cuda.*`` mocked, no GPU needed).
-
-    Training stays on the CPU; only the :class:`RunMonitor` the front doors create is told ``cuda:0``
-    (and samples every 10 ms, so that NVML is read several times in a short run).
-    """
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: PEAK_BYTES)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    props = types.SimpleNamespace(total_memory=40 * 2**30, name="NVIDIA A100-SXM4-40GB", major=8, minor=0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
-    original = monitor_module.RunMonitor
-
-    class CudaMonitor(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs.update(device="cuda:0", interval_s=0.01, profile=False, summary=False)
-            kwargs.setdefault("device_spec", None)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(monitor_module, "RunMonitor", CudaMonitor)
-    return CudaMonitor
+    """The front doors' monitor believes it runs on ``cuda:0`` (see ``fake_cuda.install``)."""
+    return install_fake_cuda(monkeypatch)
 
 
 class SlowRows(Rows):

@@ -9,7 +9,10 @@ batches to the device, times the data wait and yields micro-batches; :meth:`Guar
 precision's autocast; :meth:`Guard.backward` scales the loss for accumulation (and loss scaling) and
 steps and zeroes the optimizer when an effective batch is complete. On exit — also on an exception or
 ``KeyboardInterrupt`` — it stops what it started, writes what it measured next to the estimate into
-the log dir, and lets the user's exception through unchanged.
+the log dir, and lets the user's exception through unchanged. When that exception is an
+out-of-memory error (``torch.OutOfMemoryError``, by type), the monitor also writes the last memory
+figures into ``oom.json`` and the report (finding ``oom``), and on CUDA with ``memory_history=True`` a
+memory snapshot for https://pytorch.org/memory_viz (see :mod:`resource_guard.oom`).
 
 Example:
     >>> import torch
@@ -43,6 +46,7 @@ from torch import nn
 
 from .batching import split_batch
 from .errors import ConfigurationError, ResourceGuardWarning
+from .oom import is_oom
 from .precision import autocast_context, parse_precision
 from .step import LossFn, batch_size_of, map_tensors
 
@@ -110,6 +114,7 @@ class Guard:
         monitor: bool = True,
         profile: Any = True,
         catalog: Any = None,
+        memory_history: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
@@ -131,6 +136,8 @@ class Guard:
             raise ConfigurationError(f"`guard(headroom={headroom!r})` must be in [0, 0.9).")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ConfigurationError(f"`guard(clip_grad_norm={clip_grad_norm!r})` must be > 0 or None.")
+        if not isinstance(memory_history, bool):
+            raise ConfigurationError(f"`guard(memory_history={memory_history!r})` must be True or False.")
         if precision != "auto":
             parse_precision(precision)  # an unknown name fails here, before anything else
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
@@ -146,7 +153,7 @@ class Guard:
         }
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._clip = clip_grad_norm
-        self._monitor_on, self._profile = monitor, profile
+        self._monitor_on, self._profile, self._history = monitor, profile, memory_history
         self.plan: Plan | None = None
         self.device: torch.device | None = None
         self.optimizer_steps = 0
@@ -234,6 +241,7 @@ class Guard:
                 device_spec=plan.device,
                 profile=self._profile,
                 precision=plan.precision,
+                memory_history=self._history,
             )
             self._monitor.start()
         except ConfigurationError:
@@ -370,6 +378,7 @@ class Guard:
             "micro_steps": self.micro_steps,
             "wall_s": time.perf_counter() - self._started,
             "outcome": "ok" if exc is None else type(exc).__name__,
+            "oom": is_oom(exc),
             "measured_peak_bytes": measured,
         }
         if plan is not None:

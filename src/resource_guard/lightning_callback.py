@@ -70,6 +70,9 @@ class ResourceGuard(Callback):
         profile: ``True`` (default window), ``False``, or a :class:`~resource_guard.profiling.ProfileWindow`.
         monitor: run-time monitoring (time per step, data waits, memory, the report); ``False`` for none.
         log_dir: where the monitor writes its report; default ``<trainer.log_dir>/resource_guard``.
+        memory_history: on a CUDA run, record the allocator's history and, when the run ends with an
+            out-of-memory error, dump it into ``memory_snapshot.pickle`` for https://pytorch.org/memory_viz
+            (the OOM's figures go into ``oom.json`` and the report either way).
 
     Attributes:
         plan: the :class:`~resource_guard.planner.Plan` this rank made (``None`` before ``fit`` and on a
@@ -96,6 +99,7 @@ class ResourceGuard(Callback):
         profile: bool | ProfileWindow = True,
         monitor: bool = True,
         log_dir: str | os.PathLike[str] | None = None,
+        memory_history: bool = False,
     ) -> None:
         def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
             return ConfigurationError(f"`ResourceGuard({name}={value!r})` must be {allowed}.")
@@ -134,7 +138,11 @@ class ResourceGuard(Callback):
                     memory_limit,
                     "a positive number of bytes, e.g. 6_000_000_000 or '6GiB', or None",
                 ) from None
-        for name, value in (("fail_fast", fail_fast), ("monitor", monitor)):
+        for name, value in (
+            ("fail_fast", fail_fast),
+            ("monitor", monitor),
+            ("memory_history", memory_history),
+        ):
             if not isinstance(value, bool):
                 raise bad(name, value, "True or False")
         if not isinstance(profile, (bool, ProfileWindow)):
@@ -152,6 +160,7 @@ class ResourceGuard(Callback):
         self.profile = profile
         self.monitor = monitor
         self.log_dir = log_dir
+        self.memory_history = memory_history
         self.plan: Plan | None = None
         self.decisions: ap.Decisions | None = None
         self.report: Any = None
@@ -338,6 +347,7 @@ class ResourceGuard(Callback):
             world_size=trainer.world_size,
             loader_info=ap.loader_info(trainer),
             precision=str(trainer.precision) if str(trainer.precision) in PRECISIONS else None,
+            memory_history=self.memory_history,
         )
         self._monitor.start()
 

@@ -44,6 +44,7 @@ import psutil
 import torch
 
 from .errors import ConfigurationError, ResourceGuardWarning
+from .oom import SNAPSHOT_FILE, OomEvent, is_oom, memory_history, write_oom
 from .profiling import ProfileSummary, ProfileWindow, StepProfiler
 from .report import Report, RunStats, analyze, available_cores
 from .sampler import Sampler, peak_rss_bytes, reset_peak_rss
@@ -91,6 +92,8 @@ class RunMonitor:
         flops_per_step: FLOPs of one step (see :func:`count_flops`) for MFU.
         precision: the Lightning precision name the run trains in.
         summary: print the one-line summary at the end (rank zero).
+        memory_history: on a CUDA run, record the allocator's history and dump it into
+            ``memory_snapshot.pickle`` when the run ends with an OOM (see :mod:`resource_guard.oom`).
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class RunMonitor:
         flops_per_step: float | None = None,
         precision: str | None = None,
         summary: bool = True,
+        memory_history: bool = False,
     ) -> None:
         def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
             return ConfigurationError(f"`RunMonitor({name}={value!r})` must be {allowed}")
@@ -147,6 +151,8 @@ class RunMonitor:
             isinstance(flops_per_step, (int, float)) and flops_per_step > 0
         ):
             raise bad("flops_per_step", flops_per_step, "a number > 0 or None")
+        if not isinstance(memory_history, bool):
+            raise bad("memory_history", memory_history, "True or False")
         if precision is not None:
             from .precision import parse_precision
 
@@ -159,7 +165,10 @@ class RunMonitor:
         self.rank, self.world_size, self.stall_threshold = rank, world_size, float(stall_threshold)
         self.loader_info = dict(loader_info or {})
         self.flops_per_step, self.precision, self.summary = flops_per_step, precision, summary
+        self.memory_history = memory_history
         self.report: Report | None = None
+        self._history = False
+        self._oom: OomEvent | None = None
         self._writer_arg = writer
         self._tb: TBLog | None = None
         self._sampler: Sampler | None = None
@@ -199,6 +208,8 @@ class RunMonitor:
         self._started = True
         self._cuda = self.device.type == "cuda"
         self._guard("CUDA timing", self._setup_cuda)
+        if self.memory_history and self._cuda:
+            self._history = bool(self._guard("memory history", memory_history, "start"))
         if self.device_spec is None and self._cuda:
             self._guard("device detection", self._detect_device)
         if self.rank == 0 and (self.log_dir is not None or self._writer_arg is not None):
@@ -283,6 +294,12 @@ class RunMonitor:
             self._sampler.stop()
         if exc is not None:
             self._notes.append(f"the run ended with {type(exc).__name__}: {exc}")
+        if is_oom(exc) and self._started:
+            assert exc is not None  # for mypy: is_oom(None) is False
+            self._oom = self._guard("OOM record", self._record_oom, exc)
+        if self._history:
+            self._history = False
+            self._guard("memory history", memory_history, "stop")
         if self._timer is not None and not self._broken and self._timer.steps:
             collective = exc is None or not _distributed()
             self._guard("interval logging", lambda: self._log_interval(collective=collective))
@@ -301,6 +318,36 @@ class RunMonitor:
         if self._tb is not None:
             self._guard("TensorBoard", self._tb.close, off="_tb")
         return self.report
+
+    def _record_oom(self, exc: BaseException) -> OomEvent:
+        """The last memory figures (read before the final interval resets the peak), snapshot, oom.json."""
+        peak: float | None
+        if self._cuda:
+            peak = float(torch.cuda.max_memory_allocated(self.device))
+        else:
+            peak = peak_rss_bytes() if self._rss_reset else None
+        logged = [r[METRIC_KEYS.index("memory/peak_bytes")] for r in self._intervals]
+        logged = [v for v in logged if not math.isnan(v)]
+        directory = self._files_dir if self.rank == 0 else None
+        snapshot = None
+        if self._history and directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            if self._guard("memory snapshot", memory_history, "dump", directory / SNAPSHOT_FILE):
+                snapshot = str(directory / SNAPSHOT_FILE)
+        event = OomEvent(
+            error=OomEvent.describe(exc),
+            step=self._step + 1,
+            device=str(self.device),
+            peak_at_oom_bytes=None if peak is None else int(peak),
+            last_logged_peak_bytes=int(logged[-1]) if logged else None,
+            peak_memory_source="cuda_allocated" if self._cuda else "rss",
+            estimated_peak_bytes=self.estimate.peak_bytes if self.estimate is not None else None,
+            capacity_bytes=self._capacity(),
+            snapshot_path=snapshot,
+        )
+        if directory is not None:
+            self._guard("OOM record", write_oom, directory, event)
+        return event
 
     # -- intervals -------------------------------------------------------------------------------
     def _log_interval(self, collective: bool = True) -> None:
@@ -436,6 +483,7 @@ class RunMonitor:
             stall_threshold=self.stall_threshold,
             profile=profile,
             notes=tuple(self._notes),
+            oom=None if self._oom is None else self._oom.to_dict(),
         )
 
     def _capacity(self) -> int | None:

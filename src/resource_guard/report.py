@@ -2,11 +2,13 @@
 
 Every rule is a small pure function ``RunStats -> Finding | None``; :func:`analyze` runs them all and
 adds ``healthy`` when no rule raised a warning. Finding ids are stable (``report.json`` consumers rely
-on them): ``input-bound``, ``launch-bound``, ``memory-pressure``, ``precision``, ``host-to-device``,
-``alignment``, ``estimate-drift``, ``healthy``.
+on them): ``oom``, ``input-bound``, ``launch-bound``, ``memory-pressure``, ``precision``,
+``host-to-device``, ``alignment``, ``estimate-drift``, ``healthy``.
 
 Thresholds (module constants, documented where they are defined):
 
+- oom: the run ended with an out-of-memory error (``torch.OutOfMemoryError``, by type); the evidence
+  is the run's last memory figures (:class:`~resource_guard.oom.OomEvent`).
 - input-bound: share of wall time waiting for data >= ``stall_threshold`` (default 5%, the rule of the
   retired TensorBoard profiler plugin); critical from 25%.
 - launch-bound: mean GPU utilization < 50% while the profiler saw tiny kernels (median < 20 us) or
@@ -54,6 +56,7 @@ __all__ = [
 
 SEVERITIES = ("info", "warning", "critical")
 FINDING_IDS = (
+    "oom",
     "input-bound",
     "launch-bound",
     "memory-pressure",
@@ -141,12 +144,14 @@ class RunStats:
     stall_threshold: float = 0.05
     profile: ProfileSummary | None = None
     notes: tuple[str, ...] = ()
+    oom: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["loader_info"] = dict(self.loader_info)
         out["profile"] = None if self.profile is None else self.profile.to_dict()
         out["notes"] = list(self.notes)
+        out["oom"] = None if self.oom is None else dict(self.oom)
         return out
 
     @classmethod
@@ -247,6 +252,33 @@ def rule_launch_bound(s: RunStats) -> Finding | None:
     )
     title = f"Launch/CPU-bound: GPU {s.gpu_util_percent:.0f}% busy, kernels too small to keep it fed"
     return Finding("launch-bound", "warning", title, evidence, advice)
+
+
+def rule_oom(s: RunStats) -> Finding | None:
+    """The run ended with an out-of-memory error: its last memory figures, and what would fit."""
+    if not s.oom:
+        return None
+    ev = s.oom
+    estimated, capacity = ev.get("estimated_peak_bytes"), ev.get("capacity_bytes")
+    advice = []
+    if estimated and capacity:
+        advice.append(
+            f"The pre-flight estimate was {_bytes(estimated)} per step of {_bytes(capacity)}: if the "
+            "estimate fit, memory outside the estimated step (a longer batch, evaluation, fragmentation) "
+            "ran out; re-plan with the largest batch the run will see, or more headroom."
+        )
+    advice += [
+        "Use a smaller micro-batch with gradient accumulation to keep the effective batch.",
+        "Enable activation checkpointing, or train in bf16-mixed.",
+    ]
+    if ev.get("snapshot_path"):
+        advice.append(
+            f"Open {ev['snapshot_path']} at https://pytorch.org/memory_viz to see what was allocated."
+        )
+    elif s.device_kind == "cuda":
+        advice.append("Re-run with memory_history=True for a memory snapshot of the failing step.")
+    title = f"Out of memory at step {ev.get('step')}: {ev.get('error')}"
+    return Finding("oom", "critical", title, {k: v for k, v in ev.items() if k != "error"}, tuple(advice))
 
 
 def rule_memory_pressure(s: RunStats) -> Finding | None:
@@ -362,6 +394,7 @@ def rule_estimate_drift(s: RunStats) -> Finding | None:
 
 
 RULES: tuple[Callable[[RunStats], Finding | None], ...] = (
+    rule_oom,
     rule_input_bound,
     rule_launch_bound,
     rule_memory_pressure,

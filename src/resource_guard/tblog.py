@@ -160,7 +160,7 @@ def _force_close(writer: Any) -> None:
         try:
             file_writer.close()
         except Exception:
-            handle = getattr(getattr(file_writer, "event_writer", None), "_general_file_writer", None)
+            handle: Any = getattr(getattr(file_writer, "event_writer", None), "_general_file_writer", None)
             with contextlib.suppress(Exception):
                 handle.close()
 
