@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import random
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -458,8 +460,7 @@ def estimate_memory(
     _check_inputs(model, optimizer, batch, loss_fn)
     spec = parse_precision(precision)
     kind = _device_kind(device) if device is not None else _default_kind(model)
-    # a step needs autograd: the caller's no_grad / inference_mode must not leak into the trace
-    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+    with _isolated_global_state():
         try:
             return _trace(model, optimizer, batch, loss_fn, spec, kind)
         except ConfigurationError:
@@ -472,6 +473,49 @@ def estimate_memory(
             )
             warnings.warn(reason, ResourceGuardWarning, stacklevel=2)
             return analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
+
+
+@contextlib.contextmanager
+def _isolated_global_state() -> Iterator[None]:
+    """Trace in a training step's global state and give the caller back exactly the state it had.
+
+    A step needs autograd and sets its own autocast (``precision``), so the caller's ``no_grad``,
+    ``inference_mode`` and CPU autocast are switched off inside. The CPU RNG (never the CUDA one: that
+    would initialise CUDA), Python's and numpy's RNG, the default dtype, the deterministic-algorithms
+    and anomaly flags and the thread count are restored afterwards, also when the user's code changed
+    them or raised halfway. Called inside the caller's own autocast region, the step's autocast is a
+    nested region, whose cache of low-precision weight copies PyTorch only frees when the outermost
+    region ends: the estimate then keeps those copies to the end of the step (conservative).
+    """
+    numpy = sys.modules.get("numpy")
+    # autocast off by flag, not by a nested `torch.autocast(enabled=False)`: that would make the step's
+    # own autocast an inner region, whose weight-cast cache lives on until the outer region ends
+    cpu_autocast = torch.is_autocast_enabled("cpu")
+    saved = (
+        torch.get_default_dtype(),
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.is_anomaly_enabled(),
+        torch.is_anomaly_check_nan_enabled(),
+        random.getstate(),
+        numpy.random.get_state() if numpy is not None else None,
+    )
+    try:
+        torch.set_autocast_enabled("cpu", False)
+        with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+            yield
+    finally:
+        torch.set_autocast_enabled("cpu", cpu_autocast)
+        dtype, threads, deterministic, warn_only, anomaly, check_nan, py_rng, np_rng = saved
+        torch.set_default_dtype(dtype)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.set_anomaly_enabled(anomaly, check_nan)
+        random.setstate(py_rng)
+        if numpy is not None:
+            numpy.random.set_state(np_rng)
 
 
 def _first_line(exc: BaseException) -> str:
