@@ -27,6 +27,7 @@ from resource_guard.cli import main
 from resource_guard.devices import load_catalog
 from resource_guard.errors import ConfigurationError
 from resource_guard.measure import measure_training_step
+from resource_guard.step import batch_size_of, iter_tensors
 
 DIM = 8
 ROWS = 12
@@ -563,8 +564,6 @@ def test_every_batch_shape_splits_into_micro_batches_of_the_same_shape(make, los
     batch = make(*_xy())
     parts = split_batch(batch, 5)
     assert [type(p) for p in parts] == [type(batch)] * 3
-    from resource_guard.step import batch_size_of, iter_tensors
-
     assert [batch_size_of(p) for p in parts] == [5, 5, 2]
     rows = torch.cat([iter_tensors(p)[0] for p in parts])
     assert torch.equal(rows, iter_tensors(batch)[0])
@@ -575,18 +574,27 @@ def test_every_batch_shape_splits_into_micro_batches_of_the_same_shape(make, los
 
 
 @pytest.mark.parametrize(("make", "loss_fn"), [c[1:] for c in BATCH_SHAPES], ids=[c[0] for c in BATCH_SHAPES])
-def test_every_batch_shape_trains_through_guard(make, loss_fn):
+def test_every_batch_shape_trains_through_guard_in_micro_batches(monkeypatch, make, loss_fn):
+    import resource_guard.planner as planner
+
+    real_plan = planner.plan
+
+    def plan_micro_4(*args: Any, **kwargs: Any) -> Any:  # the real plan, with micro-batches of 4
+        made = real_plan(*args, **kwargs)
+        return dataclasses.replace(made, micro_batch_size=4, accumulation_steps=made.target_batch_size // 4)
+
+    monkeypatch.setattr(planner, "plan", plan_micro_4)
     model = KwNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = make(*_xy())
     seen = []
     with guard(model, optimizer, loss_fn=loss_fn, device="cpu", monitor=False) as g:
         for micro in g.iterate([batch, batch]):
-            seen.append(type(micro))
+            seen.append((type(micro), batch_size_of(micro)))
             with g.autocast():
                 loss = (loss_fn or (lambda m, b: m(**b) if isinstance(b, dict) else m(*b)))(model, micro)
             g.backward(loss)
-    assert seen == [type(batch)] * 2 and g.optimizer_steps == 2
+    assert seen == [(type(batch), 4)] * 6 and g.optimizer_steps == 2
     assert g.plan is not None and g.plan.estimate.method == "trace"
 
 
