@@ -280,3 +280,14 @@ def test_the_plain_pytorch_example_accumulates_under_its_cap(tmp_path: Path) -> 
     assert result["micro_batch_size"] * result["accumulation_steps"] == 32
     assert result["optimizer_steps"] == 2
     assert (tmp_path / "guard.json").exists() and (tmp_path / "report.md").exists()
+
+
+def test_the_monitor_gets_the_model_flops_of_a_loader_batch(tmp_path: Path) -> None:
+    from resource_guard.throughput import count_flops
+
+    model = Wide()
+    expected = count_flops(copy.deepcopy(model), data(1, 8)[0], mse)
+    g = run(model, torch.optim.SGD(model.parameters(), lr=0.1), data(3, 8), monitor=True, log_dir=tmp_path)
+    summary = json.loads((tmp_path / "report.json").read_text())["summary"]
+    assert expected and summary["flops_per_step"] == pytest.approx(expected)
+    assert g.report is not None

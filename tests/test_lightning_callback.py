@@ -676,3 +676,16 @@ def test_training_step_reading_the_trainer_falls_back_to_the_analytic_estimate()
     with pytest.warns(ResourceGuardWarning, match="not attached to a `Trainer`"):
         trainer(guard, max_steps=1).fit(ReadsTrainer(), Data())
     assert guard.plan is not None and guard.plan.estimate.method == "analytic"
+
+
+def test_the_monitor_gets_the_model_flops_of_a_training_step(tmp_path):
+    from resource_guard.throughput import count_flops
+
+    guard = ResourceGuard(precision="32-true", profile=False, log_dir=str(tmp_path))
+    model = Net()
+    trainer(guard, max_steps=3).fit(model, Data(batch_size=16))
+    micro = guard.decisions.micro_batch_size
+    x, y = torch.randn(micro, DIM), torch.randn(micro, 1)
+    expected = count_flops(Net(), (x, y), ap.training_step_loss)
+    assert expected and guard.report is not None
+    assert guard.report.to_dict()["summary"]["flops_per_step"] == pytest.approx(expected)

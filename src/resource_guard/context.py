@@ -154,6 +154,7 @@ class Guard:
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._clip = clip_grad_norm
         self._monitor_on, self._profile, self._history = monitor, profile, memory_history
+        self._flops_per_sample: float | None = None
         self.plan: Plan | None = None
         self.device: torch.device | None = None
         self.optimizer_steps = 0
@@ -213,6 +214,8 @@ class Guard:
         )
         device = torch_device_of(made.device)
         self.plan, self.device = made, device
+        if self._monitor_on:  # model FLOPs, before checkpointing adds its recomputation
+            self._flops_per_sample = _flops_per_sample(self.model, batch, self.loss_fn)
         self.model.to(device)
         _move_optimizer_state(self.optimizer, device)
         if made.checkpointing:
@@ -271,6 +274,10 @@ class Guard:
         for batch in loader:
             if self.plan is None:
                 self._setup(batch)
+            if self._flops_per_sample is not None and self._monitor is not None:
+                # the monitor's step is one loader batch: MFU from the FLOPs of that many samples
+                self._monitor.flops_per_step = self._flops_per_sample * (batch_size_of(batch) or 1)
+                self._flops_per_sample = None
             self._call_monitor("batch_ready", batch)
             device = self.device
             assert device is not None and self.plan is not None
@@ -387,6 +394,20 @@ class Guard:
             if measured is not None and plan.fit.allocated_peak_bytes:
                 out["estimate_error"] = plan.fit.allocated_peak_bytes / measured - 1
         return out
+
+
+def _flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> float | None:
+    """FLOPs of forward + backward per sample, counted on fake tensors (for MFU); None if unknown.
+
+    Counted only with an explicit ``loss_fn``: the loop's own loss is not visible to the guard.
+    """
+    from .throughput import count_flops
+
+    size = batch_size_of(batch)
+    if loss_fn is None or not size:
+        return None
+    flops = count_flops(model, batch, loss_fn)
+    return flops / size if flops else None
 
 
 def _monitor_capacity(plan: Plan, device: torch.device | None) -> int:

@@ -163,6 +163,7 @@ class ResourceGuard(Callback):
         self.memory_history = memory_history
         self.plan: Plan | None = None
         self.decisions: ap.Decisions | None = None
+        self._flops_per_sample: float | None = None
         self.report: Any = None
         self._restored: ap.Decisions | None = None
         self._applied: ap.Applied | None = None
@@ -286,6 +287,9 @@ class ResourceGuard(Callback):
                 memory_limit=self.memory_limit,
             )
         self.plan = made
+        if self.monitor:  # model FLOPs per sample, for MFU (before checkpointing is applied)
+            with ap.detached_trainer(pl_module):
+                self._flops_per_sample = _flops_per_sample(pl_module, batch)
         accumulation = made.accumulation_steps
         if fixed.accumulation is not None:
             if made.accumulation_steps != 1:
@@ -348,6 +352,11 @@ class ResourceGuard(Callback):
             loader_info=ap.loader_info(trainer),
             precision=str(trainer.precision) if str(trainer.precision) in PRECISIONS else None,
             memory_history=self.memory_history,
+            flops_per_step=(
+                self._flops_per_sample * self.decisions.micro_batch_size
+                if self._flops_per_sample and self.decisions is not None
+                else None
+            ),
         )
         self._monitor.start()
 
@@ -462,3 +471,13 @@ def _strategy_name(trainer: pl.Trainer) -> str:
             stacklevel=3,
         )
     return "ddp"
+
+
+def _flops_per_sample(pl_module: pl.LightningModule, batch: Any) -> float | None:
+    """FLOPs of ``training_step`` + backward per sample, counted on fake tensors; None if unknown."""
+    from .step import batch_size_of
+    from .throughput import count_flops
+
+    size = batch_size_of(batch)
+    flops = count_flops(pl_module, batch, ap.training_step_loss) if size else None
+    return flops / size if flops and size else None
