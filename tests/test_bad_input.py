@@ -151,11 +151,9 @@ BAD_PLAN_ONLY: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("headroom-string", {"headroom": "0.1"}, ("headroom='0.1'",)),
     ("world-size-zero", {"world_size": 0}, ("world_size=0",)),
     ("strategy-unknown", {"strategy": "zero3"}, ("strategy='zero3'", "fsdp")),
-    ("checkpointing-unknown", {"checkpointing": "yes"}, ("checkpointing='yes'",)),
     ("memory-limit-words", {"memory_limit": "lots"}, ("memory_limit='lots'", "GiB")),
     ("memory-limit-negative", {"memory_limit": -1}, ("memory_limit=-1", "negative")),
     ("memory-limit-zero", {"memory_limit": 0}, ("memory_limit=0",)),
-    ("catalog-missing-file", {"catalog": "no-such-catalog.yaml"}, ("no-such-catalog.yaml",)),
     ("catalog-wrong-type", {"catalog": 42}, ("catalog=42", "load_catalog")),
     ("batch-empty", {"batch": torch.randn(0, DIM)}, ("batch=", "0 rows")),
     ("batch-0d", {"batch": torch.tensor(1.0)}, ("batch=", "leading dimension")),
@@ -201,13 +199,14 @@ BAD_GUARD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("headroom-negative", {"headroom": -0.5}, ("guard(headroom=-0.5)",)),
     ("precision-unknown", {"precision": "fp8"}, ("precision='fp8'",)),
     ("clip-negative", {"clip_grad_norm": -1.0}, ("clip_grad_norm=-1.0",)),
-]
-BAD_GUARD_ENTER: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+    ("headroom-bool", {"headroom": False}, ("guard(headroom=False)",)),
     ("device-unknown", {"device": "tpu-v5"}, ("device='tpu-v5'",)),
-    ("device-catalog-only", {"device": "a100-40gb"}, ("catalog entry", "memory_limit")),
     ("checkpointing-unknown", {"checkpointing": "yes"}, ("checkpointing='yes'",)),
     ("memory-limit-words", {"memory_limit": "lots"}, ("memory_limit='lots'",)),
     ("catalog-missing-file", {"catalog": "no-such-catalog.yaml"}, ("no-such-catalog.yaml",)),
+]
+BAD_GUARD_ENTER: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+    ("device-catalog-only", {"device": "a100-40gb"}, ("catalog entry", "memory_limit")),
     ("empty-model", {"model": nn.ReLU(), "optimizer": "stray"}, ("no parameters",)),
     ("foreign-optimizer", {"optimizer": "foreign"}, ("not the model's",)),
     ("loss-non-scalar", {"loss_fn": lambda m, b: m(b)}, ("scalar",)),
@@ -358,9 +357,11 @@ def test_callback_refuses_an_unwritable_log_dir_before_any_step(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     fit = _lightning()
-    with pytest.raises(ConfigurationError, match="not a writable directory"):
-        fit(ResourceGuard(log_dir=blocker / "logs", profile=False))
+    callback = ResourceGuard(log_dir=blocker / "logs", profile=False)
+    with pytest.raises(ConfigurationError, match=r"ResourceGuard\(log_dir=.*not writable"):
+        fit(callback)
     assert fit.real_steps == 0  # type: ignore[attr-defined]
+    assert callback.plan is None  # refused in `setup`, before planning
 
 
 # ---------------------------------------------------------------------------------------------------

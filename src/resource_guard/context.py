@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from .devices import DeviceSpec
     from .planner import Plan
 
-__all__ = ["Guard", "guard", "torch_device_of"]
+__all__ = ["Guard", "check_log_dir", "guard", "torch_device_of"]
 
 
 def torch_device_of(spec: DeviceSpec) -> torch.device:
@@ -132,8 +132,22 @@ class Guard:
             raise ConfigurationError(
                 f"`guard(target_batch_size={target_batch_size!r})` must be a positive int."
             )
-        if not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
             raise ConfigurationError(f"`guard(headroom={headroom!r})` must be in [0, 0.9).")
+        if not (checkpointing == "auto" or isinstance(checkpointing, bool)):
+            raise ConfigurationError(
+                f"`guard(checkpointing={checkpointing!r})` must be 'auto', True (required) or False (never)."
+            )
+        if memory_limit is not None:
+            from .devices import parse_bytes
+
+            try:
+                limit = parse_bytes(memory_limit)
+            except ConfigurationError as error:
+                raise ConfigurationError(f"`guard(memory_limit={memory_limit!r})`: {error}") from None
+            if limit <= 0:
+                raise ConfigurationError(f"`guard(memory_limit={memory_limit!r})` must be a size > 0.")
+        catalog = _check_device_and_catalog(device, catalog)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ConfigurationError(f"`guard(clip_grad_norm={clip_grad_norm!r})` must be > 0 or None.")
         if not isinstance(memory_history, bool):
@@ -177,7 +191,7 @@ class Guard:
         self._entered = True
         self._started = time.perf_counter()
         if self._log_dir is not None:
-            _check_writable(self._log_dir)
+            check_log_dir(self._log_dir)
         if self._sample_batch is not None:
             self._setup(self._sample_batch)
         return self
@@ -396,6 +410,39 @@ class Guard:
         return out
 
 
+def _check_device_and_catalog(device: Any, catalog: Any) -> Any:
+    """Refuse a device name that is neither local-looking nor in the catalog, without probing hardware.
+
+    Returns the catalog loaded from a path (or as given). Whether a local device exists is checked at
+    enter, where probing the hardware belongs.
+    """
+    import re
+
+    from .devices import Catalog, DeviceSpec, load_catalog
+
+    if catalog is not None and not isinstance(catalog, Catalog):
+        if not isinstance(catalog, (str, os.PathLike)):
+            raise ConfigurationError(
+                f"`guard(catalog={catalog!r})` must be a path to a YAML device catalog or a Catalog."
+            )
+        catalog = load_catalog(catalog)  # a missing or malformed file fails here, with the reason
+    if isinstance(device, DeviceSpec):
+        return catalog
+    if not isinstance(device, str):
+        raise ConfigurationError(f"`guard(device={device!r})` must be a device name or a DeviceSpec.")
+    name = device.strip().lower()
+    if name in ("auto", "cpu", "mps") or re.fullmatch(r"cuda(:\d+)?", name):
+        return catalog
+    known = catalog if catalog is not None else load_catalog()
+    try:
+        known.get(device)
+    except ConfigurationError as error:
+        raise ConfigurationError(
+            f"`guard(device={device!r})`: {error} Local devices: 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'."
+        ) from None
+    return catalog
+
+
 def _flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> float | None:
     """FLOPs of forward + backward per sample, counted on fake tensors (for MFU); None if unknown.
 
@@ -436,7 +483,9 @@ def _measured_peak_bytes(device: torch.device | None) -> int | None:
     return None
 
 
-def _check_writable(path: Path) -> None:
+def check_log_dir(path: str | os.PathLike[str], call: str = "guard") -> None:
+    """Make ``path`` (and parents) and prove it writable, or raise a ConfigurationError naming ``call``."""
+    path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".resource_guard_write_test"
@@ -444,7 +493,8 @@ def _check_writable(path: Path) -> None:
         probe.unlink()
     except OSError as error:
         raise ConfigurationError(
-            f"`log_dir={str(path)!r}` is not writable ({error.strerror or error}); pick another directory."
+            f"`{call}(log_dir={str(path)!r})` is not writable ({error.strerror or error}); pick another "
+            "directory."
         ) from None
 
 

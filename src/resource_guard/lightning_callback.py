@@ -182,6 +182,10 @@ class ResourceGuard(Callback):
                 "`resource_guard.plan(...)` / `guard(...)` in your manual loop."
             )
         self._fixed = ap.fixed_settings(trainer, self.precision, self.accumulation)
+        if self.log_dir is not None and self.monitor and trainer.is_global_zero:
+            from .context import check_log_dir
+
+            check_log_dir(self.log_dir, "ResourceGuard")  # now, not after seconds of planning
         if self.device is not None:
             from .devices import resolve_device
 
