@@ -16,6 +16,9 @@ memory the maximum, throughput the job's total; rank zero alone writes. The end-
 to the ``resource_guard`` logger at INFO when that logger is enabled for INFO, else to stderr
 (``summary=False`` silences it).
 
+The interval arithmetic is in :mod:`resource_guard._monitor_stats`; what is recorded at each log
+boundary and written at close, in :mod:`resource_guard._monitor_outputs`.
+
 Example:
     >>> import torch
     >>> mon = RunMonitor(None, interval_s=0.05, profile=False, summary=False)
@@ -29,10 +32,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -43,13 +44,15 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch
 
+from ._monitor_outputs import console_summary, log_interval, record_oom, write_outputs
+from ._monitor_stats import METRIC_KEYS, run_stats
 from .errors import ConfigurationError, ResourceGuardWarning
-from .oom import SNAPSHOT_FILE, OomEvent, is_oom, memory_history, write_oom
+from .oom import OomEvent, is_oom, memory_history
 from .profiling import ProfileSummary, ProfileWindow, StepProfiler
-from .report import Report, RunStats, analyze, available_cores
-from .sampler import Sampler, peak_rss_bytes, reset_peak_rss
-from .tblog import TBLog, memory_picture, png_bytes
-from .throughput import StepTimer, aggregate_rows, batch_counts, count_flops, peak_flops_per_s
+from .report import Report, RunStats, analyze
+from .sampler import Sampler, reset_peak_rss
+from .tblog import TBLog
+from .throughput import StepTimer, batch_counts, count_flops, peak_flops_per_s
 
 if TYPE_CHECKING:  # estimate (and its tracer) is not imported at run time
     from .devices import DeviceSpec
@@ -57,19 +60,7 @@ if TYPE_CHECKING:  # estimate (and its tracer) is not imported at run time
 
 __all__ = ["RunMonitor", "ProfileWindow", "count_flops", "METRIC_KEYS"]
 
-_log = logging.getLogger("resource_guard")
 _clock = time.perf_counter
-_GPU_KEYS = ("util_percent", "memory_used_bytes", "power_w", "temperature_c", "sm_clock_mhz")
-_HOST_KEYS = ("process_cpu_percent", "process_rss_bytes", "system_cpu_percent", "available_ram_bytes")
-METRIC_KEYS = (
-    ("steps", "time/step_s", "time/data_wait_s", "time/compute_s", "time/data_wait_share", "time/stalled")
-    + ("time/device_compute_s", "throughput/samples_per_s", "throughput/tokens_per_s", "util/mfu")
-    + ("memory/peak_bytes", "memory/estimate_error")
-    + tuple(f"host/{k}" for k in _HOST_KEYS)
-    + tuple(f"gpu/{k}" for k in _GPU_KEYS)
-)
-_RANK_MAX_KEYS = ("time/step_s", "time/data_wait_share")
-_NAN = math.nan
 
 
 class RunMonitor:
@@ -276,7 +267,7 @@ class RunMonitor:
             if self._profiler is not None:
                 self._guard("profiler", self._profiler.step, off="_profiler")
             if self._step == 1 or self._step % self.log_every_n_steps == 0:
-                self._log_interval()
+                log_interval(self, _clock())
                 if self._sampler is not None:
                     self._warn_sampler()
             timer.resume(_clock())  # profiling and logging are the monitor's time, not a data wait
@@ -296,13 +287,13 @@ class RunMonitor:
             self._notes.append(f"the run ended with {type(exc).__name__}: {exc}")
         if is_oom(exc) and self._started:
             assert exc is not None  # for mypy: is_oom(None) is False
-            self._oom = self._guard("OOM record", self._record_oom, exc)
+            self._oom = self._guard("OOM record", record_oom, self, exc)
         if self._history:
             self._history = False
             self._guard("memory history", memory_history, "stop")
         if self._timer is not None and not self._broken and self._timer.steps:
             collective = exc is None or not _distributed()
-            self._guard("interval logging", lambda: self._log_interval(collective=collective))
+            self._guard("interval logging", lambda: log_interval(self, _clock(), collective=collective))
         if self._sampler is not None:
             self._warn_sampler()
         if not self._started:
@@ -312,106 +303,14 @@ class RunMonitor:
             summary = self._guard("profiler", self._profiler.summarize, off="_profiler")
         self.report = self._guard("report", lambda: analyze(self._run_stats(summary)))
         if self.rank == 0 and self.report is not None:
-            self._write_outputs(self.report)
+            write_outputs(self, self.report)
             if self.summary:
-                _console(self.report)
+                console_summary(self.report)
         if self._tb is not None:
             self._guard("TensorBoard", self._tb.close, off="_tb")
         return self.report
 
-    def _record_oom(self, exc: BaseException) -> OomEvent:
-        """The last memory figures (read before the final interval resets the peak), snapshot, oom.json."""
-        peak: float | None
-        if self._cuda:
-            peak = float(torch.cuda.max_memory_allocated(self.device))
-        else:
-            peak = peak_rss_bytes() if self._rss_reset else None
-        logged = [r[METRIC_KEYS.index("memory/peak_bytes")] for r in self._intervals]
-        logged = [v for v in logged if not math.isnan(v)]
-        directory = self._files_dir if self.rank == 0 else None
-        snapshot = None
-        if self._history and directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-            if self._guard("memory snapshot", memory_history, "dump", directory / SNAPSHOT_FILE):
-                snapshot = str(directory / SNAPSHOT_FILE)
-        event = OomEvent(
-            error=OomEvent.describe(exc),
-            step=self._step + 1,
-            device=str(self.device),
-            peak_at_oom_bytes=None if peak is None else int(peak),
-            last_logged_peak_bytes=int(logged[-1]) if logged else None,
-            peak_memory_source="cuda_allocated" if self._cuda else "rss",
-            estimated_peak_bytes=self.estimate.peak_bytes if self.estimate is not None else None,
-            capacity_bytes=self._capacity(),
-            snapshot_path=snapshot,
-        )
-        if directory is not None:
-            self._guard("OOM record", write_oom, directory, event)
-        return event
-
-    # -- intervals -------------------------------------------------------------------------------
-    def _log_interval(self, collective: bool = True) -> None:
-        assert self._timer is not None  # internal invariant: only called after start()
-        iv = self._timer.take(_clock())
-        if iv.steps == 0:
-            return
-        gauges = self._sampler.drain() if self._sampler is not None else {}
-        row = dict.fromkeys(METRIC_KEYS, _NAN)
-        wall = max(iv.wall_s, 1e-12)
-        row.update({
-            "steps": iv.steps, "time/step_s": wall / iv.steps, "time/data_wait_s": iv.data_wait_s / iv.steps,
-            "time/compute_s": iv.compute_s / iv.steps, "time/data_wait_share": iv.data_wait_share,
-            "throughput/samples_per_s": iv.samples / wall if iv.samples else _NAN,
-            "throughput/tokens_per_s": iv.tokens / wall if iv.tokens else _NAN,
-        })  # fmt: skip
-        row["time/stalled"] = float(iv.data_wait_share >= self.stall_threshold)
-        if self._events:
-            self._events[-1][1].synchronize()  # the only device sync: at a log boundary
-            device_ms = sum(start.elapsed_time(end) for start, end in self._events)
-            row["time/device_compute_s"] = device_ms / 1e3 / len(self._events)
-            self._events.clear()
-        peak = self._guard("memory peak", self._peak_memory, gauges)
-        if peak is not None:
-            row["memory/peak_bytes"] = float(peak)
-            if self._cuda and self.estimate is not None and self.estimate.peak_bytes:
-                row["memory/estimate_error"] = (peak - self.estimate.peak_bytes) / self.estimate.peak_bytes
-        own_gpu = f"gpu{self.device.index or 0}/"
-        for key, (mean, _max) in gauges.items():
-            if key.startswith("host/"):
-                row[key] = mean
-            elif key.startswith(own_gpu):
-                row["gpu/" + key[len(own_gpu) :]] = mean
-        values = list(row.values())
-        means, maxes = aggregate_rows(values, self._collective_device()) if collective else (values, values)
-        agg = dict(zip(row, means))
-        agg["memory/peak_bytes"] = maxes[METRIC_KEYS.index("memory/peak_bytes")]  # the fullest rank counts
-        for key in ("throughput/samples_per_s", "throughput/tokens_per_s"):
-            agg[key] = agg[key] * self.world_size  # the mean rank's rate × ranks = the job's rate
-        peak_fps = self._peak_flops()
-        if self.flops_per_step and peak_fps:
-            agg["util/mfu"] = self.flops_per_step / agg["time/step_s"] / peak_fps
-        self._intervals.append(tuple(agg[k] for k in METRIC_KEYS))
-        if self._tb is None:
-            return
-        out = {k: v for k, v in agg.items() if k != "steps"}
-        if self.world_size > 1:
-            out.update({f"{k}_max": maxes[METRIC_KEYS.index(k)] for k in _RANK_MAX_KEYS})
-        if len({k.split("/")[0] for k in gauges if k.startswith("gpu")}) > 1:
-            out.update({k: mean for k, (mean, _) in gauges.items() if k.startswith("gpu")})
-        self._guard("TensorBoard", lambda: self._tb.scalars(self._step, out), off="_tb")  # type: ignore[union-attr]
-
-    def _peak_memory(self, gauges: Mapping[str, tuple[float, float]]) -> float | None:
-        if self._cuda:
-            peak = torch.cuda.max_memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return float(peak)
-        hwm = peak_rss_bytes() if self._rss_reset else None
-        if hwm is not None:
-            self._rss_reset = reset_peak_rss()
-            return float(hwm)
-        sampled = gauges.get("host/process_rss_bytes")
-        return None if sampled is None else sampled[1]
-
+    # -- intervals ---------------------------------------------------------------------------------
     def _collective_device(self) -> torch.device | None:
         import torch.distributed as dist
 
@@ -427,58 +326,17 @@ class RunMonitor:
 
     # -- the end of the run ----------------------------------------------------------------------
     def _run_stats(self, profile: ProfileSummary | None) -> RunStats:
-        rows = [dict(zip(METRIC_KEYS, r)) for r in self._intervals]
-        steps = int(sum(r["steps"] for r in rows))
-        body = rows[1:] if len(rows) > 1 else rows  # the first interval is the start-up step
-        walls = [r["time/step_s"] * r["steps"] for r in body]
-        wall = sum(walls)
-
-        def weighted(key: str) -> float | None:
-            pairs = [(r[key], w) for r, w in zip(body, walls) if not math.isnan(r[key])]
-            total = sum(w for _, w in pairs)
-            return sum(v * w for v, w in pairs) / total if pairs and total > 0 else None
-
-        body_steps = sum(r["steps"] for r in body)
-        peaks = [r["memory/peak_bytes"] for r in rows if not math.isnan(r["memory/peak_bytes"])]
-        spec = self.device_spec
-        peak_fps = self._peak_flops()
-        step_time = wall / body_steps if body_steps else None
-        mfu = None
-        if self.flops_per_step and peak_fps and step_time:
-            mfu = self.flops_per_step / step_time / peak_fps
-        cc = spec.compute_capability if spec is not None else None
-        tensor_cores = self.device.type == "cuda" and (
-            (cc is not None and float(cc) >= 7.0)
-            or bool(spec and {"fp16", "bf16", "tf32"} & set(spec.peak_tflops))
-        )
-        return RunStats(
-            steps=steps,
-            duration_s=sum(r["time/step_s"] * r["steps"] for r in rows) if rows else None,
-            step_time_s=step_time,
-            data_wait_s=weighted("time/data_wait_s"),
-            data_wait_share=weighted("time/data_wait_share"),
-            max_interval_data_wait_share=max((r["time/data_wait_share"] for r in body), default=None),
-            samples_per_s=weighted("throughput/samples_per_s"),
-            tokens_per_s=weighted("throughput/tokens_per_s"),
+        return run_stats(
+            self._intervals,
+            device=self.device,
+            cuda=self._cuda,
+            device_spec=self.device_spec,
             flops_per_step=self.flops_per_step,
-            mfu=mfu,
-            peak_memory_bytes=int(max(peaks)) if peaks else None,
-            peak_memory_source=None if not peaks else ("cuda_allocated" if self._cuda else "rss"),
+            peak_flops_per_s=self._peak_flops(),
             capacity_bytes=self._capacity(),
             estimated_peak_bytes=self.estimate.peak_bytes if self.estimate is not None else None,
-            gpu_util_percent=weighted("gpu/util_percent"),
-            process_cpu_percent=weighted("host/process_cpu_percent"),
-            device=str(self.device),
-            device_kind="cuda" if self.device.type == "cuda" else self.device.type,
-            device_name=spec.display_name or spec.name if spec is not None else None,
             precision=self.precision,
-            float32_matmul_precision=torch.get_float32_matmul_precision(),
-            tensor_cores=tensor_cores,
-            bf16_supported=bool(spec and spec.bf16),
-            tf32_supported=bool(spec and "tf32" in spec.peak_tflops),
             loader_info=self.loader_info,
-            available_cores=available_cores(),
-            cpu_count=os.cpu_count(),
             world_size=self.world_size,
             stall_threshold=self.stall_threshold,
             profile=profile,
@@ -494,34 +352,6 @@ class RunMonitor:
         if self._cuda:
             return int(torch.cuda.get_device_properties(self.device).total_memory)
         return int(psutil.virtual_memory().total)
-
-    def _write_outputs(self, report: Report) -> None:
-        markdown = report.to_markdown()
-        picture = None
-        if self.estimate is not None and self.estimate.timeline:
-            title = f"pre-flight memory of one step ({self.estimate.precision}) vs {self.device}"
-            picture = self._guard("memory picture", memory_picture, self.estimate.timeline, self._capacity(),
-                                  title=title)  # fmt: skip
-        if self._tb is not None:
-            tb = self._tb
-            self._guard("TensorBoard", lambda: tb.text("report", markdown, self._step), off="_tb")
-            if picture is not None and self._tb is not None:
-                self._guard("TensorBoard", lambda: tb.image("memory", picture, self._step), off="_tb")
-        directory = self._files_dir
-        if directory is None:
-            return
-
-        def write_files() -> None:
-            import json
-
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / "report.md").write_text(markdown, encoding="utf-8")
-            data = json.dumps(report.to_dict(), indent=2, default=str)
-            (directory / "report.json").write_text(data, encoding="utf-8")
-            if picture is not None:
-                (directory / "memory.png").write_bytes(png_bytes(picture))
-
-        self._guard("report files", write_files)
 
     # -- degrading -------------------------------------------------------------------------------
     def _guard(self, part: str, fn: Any, *args: Any, off: str | None = None, **kwargs: Any) -> Any:
@@ -566,13 +396,3 @@ def _visible_gpu_count() -> int:
         return int(torch.cuda.device_count())
     except Exception:
         return 0
-
-
-def _console(report: Report) -> None:
-    line = report.summary_line()
-    extra = [f"  {f.id} ({f.severity}): {f.title}" for f in report.findings if f.id != "healthy"]
-    text = "\n".join([line, *extra])
-    if _log.isEnabledFor(logging.INFO):
-        _log.info(text)
-    else:
-        print(text, file=sys.stderr)
