@@ -607,6 +607,9 @@ class ArmAfter(L.Callback):
             self.arm()
 
 
+# TensorBoard's own writer thread dies on the injected disk error (its traceback is pytest's warning);
+# what is ours to check is that the run goes on, with one warning, and the writer is closed
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("door", FRONT_DOORS)
 def test_events_file_unwritable_mid_run_is_one_warning(
     tmp_path: Path, disk_full_after: Any, door: str
