@@ -140,6 +140,15 @@ def test_alignment_on_gpus_only() -> None:
     assert rule_alignment(RunStats(profile=p)) is None
 
 
+def test_alignment_needs_a_tenth_of_the_matmul_time() -> None:
+    shapes = (("aten::mm", ((100, 60), (60, 30))),)
+    minor = _profile(misaligned_matmuls=shapes, matmul_us=100.0, misaligned_matmul_us=5.0)
+    assert rule_alignment(dataclasses.replace(GPU, profile=minor)) is None
+    major = _profile(misaligned_matmuls=shapes, matmul_us=100.0, misaligned_matmul_us=40.0)
+    f = rule_alignment(dataclasses.replace(GPU, profile=major))
+    assert f is not None and f.evidence["share_of_matmul_time"] == 0.4
+
+
 def test_estimate_drift_only_against_the_allocator_peak() -> None:
     drift = RunStats(peak_memory_bytes=120, estimated_peak_bytes=100, peak_memory_source="cuda_allocated")
     f = rule_estimate_drift(drift)

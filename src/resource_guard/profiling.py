@@ -100,6 +100,7 @@ class ProfileSummary:
         h2d_us / h2d_pageable_us: host-to-device copy time per step (pageable: from unpinned memory).
         matmul_us / fp32_matmul_us: time per step in matmul ops, and in those with float32 inputs.
         misaligned_matmuls: ``(op, shapes)`` of matmuls with a matrix dimension not a multiple of 8.
+        misaligned_matmul_us: time per step in those matmuls.
         top_ops: ``(op, calls, self_cpu_us)`` of the most expensive host-side ops, per step.
         trace_path: the gzipped Chrome trace, or ``None`` (not written, or too large).
         notes: what went differently (trace deleted, window cut short).
@@ -115,6 +116,7 @@ class ProfileSummary:
     matmul_us: float = 0.0
     fp32_matmul_us: float = 0.0
     misaligned_matmuls: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
+    misaligned_matmul_us: float = 0.0
     top_ops: tuple[tuple[str, int, float], ...] = ()
     trace_path: str | None = None
     notes: tuple[str, ...] = field(default=())
@@ -131,6 +133,7 @@ class ProfileSummary:
             "matmul_us": self.matmul_us,
             "fp32_matmul_us": self.fp32_matmul_us,
             "misaligned_matmuls": [[op, [list(s) for s in shapes]] for op, shapes in self.misaligned_matmuls],
+            "misaligned_matmul_us": self.misaligned_matmul_us,
             "top_ops": [list(row) for row in self.top_ops],
             "trace_path": self.trace_path,
             "notes": list(self.notes),
@@ -161,7 +164,7 @@ def summarize_events(events: Iterable[EventRecord], steps: int) -> ProfileSummar
     """
     per = max(steps, 1)
     step_walls, kernels, device_us, h2d, h2d_pageable = [], [], 0.0, 0.0, 0.0
-    matmul_us = fp32_us = 0.0
+    matmul_us = fp32_us = misaligned_us = 0.0
     misaligned: dict[tuple[str, tuple[tuple[int, ...], ...]], None] = {}
     ops: dict[str, list[float]] = {}
     for ev in events:
@@ -184,8 +187,10 @@ def summarize_events(events: Iterable[EventRecord], steps: int) -> ProfileSummar
             matmul_us += ev.duration_us
             if ev.input_dtypes and all(d in ("float", "") for d in ev.input_dtypes[-2:]):
                 fp32_us += ev.duration_us
-            if _misaligned(ev.input_shapes) and len(misaligned) < _MAX_SHAPES:
-                misaligned[(ev.name, ev.input_shapes)] = None
+            if _misaligned(ev.input_shapes):
+                misaligned_us += ev.duration_us
+                if len(misaligned) < _MAX_SHAPES:
+                    misaligned[(ev.name, ev.input_shapes)] = None
     top = sorted(ops.items(), key=lambda kv: -kv[1][1])[:_TOP_OPS]
     return ProfileSummary(
         steps=steps,
@@ -198,6 +203,7 @@ def summarize_events(events: Iterable[EventRecord], steps: int) -> ProfileSummar
         matmul_us=matmul_us / per,
         fp32_matmul_us=fp32_us / per,
         misaligned_matmuls=tuple(misaligned),
+        misaligned_matmul_us=misaligned_us / per,
         top_ops=tuple((name, round(n / per), round(us / per, 1)) for name, (n, us) in top),
     )
 

@@ -14,8 +14,7 @@ raised a warning). The thresholds are module constants:
 - precision: ``32-true`` with ``float32_matmul_precision == "highest"`` on a tensor-core GPU.
 - host-to-device: host-to-device copies >= ``H2D_SHARE`` (10%) of the profiled step's wall time.
 - alignment: on a GPU, profiled matmuls with a matrix dimension not a multiple of 8 (reported as
-  info). ``MISALIGNED_MATMUL_SHARE`` (10% of matmul time) is defined but not applied: any such matmul
-  raises the finding.
+  info) when they take at least ``MISALIGNED_MATMUL_SHARE`` (10%) of the matmul time.
 - estimate-drift: measured allocator peak > pre-flight estimate by more than
   ``ESTIMATE_DRIFT_FRACTION`` (5%).
 
@@ -251,12 +250,19 @@ def rule_alignment(s: RunStats) -> Finding | None:
     p = s.profile
     if s.device_kind != "cuda" or p is None or not p.misaligned_matmuls:
         return None
+    share = p.misaligned_matmul_us / p.matmul_us if p.matmul_us else 1.0
+    if share < MISALIGNED_MATMUL_SHARE:
+        return None
     shapes = [f"{op}{list(map(list, shapes))}" for op, shapes in p.misaligned_matmuls[:5]]
     advice = (
         "Pad hidden sizes, vocabulary and head dimensions to multiples of 8 (64 is better).",
         "Choose a batch size (× sequence length) that is a multiple of 8.",
     )
-    evidence = {"misaligned_matmuls": shapes, "count": len(p.misaligned_matmuls)}
+    evidence = {
+        "misaligned_matmuls": shapes,
+        "count": len(p.misaligned_matmuls),
+        "share_of_matmul_time": round(share, 3),
+    }
     return Finding(
         "alignment", "info", "Tensor-core alignment: matmul dimensions not multiples of 8", evidence, advice
     )
