@@ -93,3 +93,23 @@ def test_main_job_command_prints_the_report():
 def test_examples_are_importable_without_side_effects():
     namespace = runpy.run_path(str(ROOT / "examples" / "gpt_small.py"), run_name="not_main")
     assert callable(namespace["build"])
+
+
+def test_demo_command_trains_writes_tensorboard_and_prints_the_report(tmp_path):
+    """The second half of the README's main job: ``resource-guard demo``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = subprocess.run(
+        [sys.executable, "-m", "resource_guard.cli", "demo", "--steps", "3", "--log-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "**Plan**" in result.stdout and "# resource_guard report" in result.stdout
+    assert "accumulation" in result.stdout  # the 256 MiB cap forces micro-batches
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert any(tag.startswith("resource_guard/") for tag in events.Tags()["scalars"])
+    for name in ("report.md", "report.json", "guard.json", "memory.png"):
+        assert (tmp_path / name).exists(), name

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError, ResourceGuardError
+from .errors import ConfigurationError, DoesNotFitError, ResourceGuardError
 
 __all__ = ["main", "load_target", "format_bytes"]
 
@@ -249,6 +249,26 @@ def _report(args: argparse.Namespace) -> int:
     return report_command(args.logdir, as_json=args.json)
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    if args.steps <= 0:
+        raise _BadInput(f"--steps {args.steps} must be a positive integer.")
+    try:
+        g = run_demo(args.steps, log_dir=args.log_dir, memory_limit=args.memory_limit or None)
+    except DoesNotFitError as exc:
+        print(str(exc))
+        return 1
+    assert g.plan is not None
+    print(g.plan.summary())
+    print()
+    print(g.report.to_markdown() if g.report is not None else "(monitoring was off: no report)")
+    print(
+        f"\nLogs: {args.log_dir}  (tensorboard --logdir {args.log_dir}; resource-guard report {args.log_dir})"
+    )
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resource-guard", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -272,6 +292,12 @@ def _parser() -> argparse.ArgumentParser:
     dev = sub.add_parser("devices", help="list the device catalog and the devices detected here")
     dev.add_argument("--catalog", default=None, help="a YAML device catalog merged over the bundled one")
     dev.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    demo = sub.add_parser("demo", help="train the embedded example model under guard and print the report")
+    demo.add_argument("--steps", type=int, default=12, help="optimizer steps (default 12)")
+    demo.add_argument("--log-dir", default="runs/demo", help="TensorBoard events and report (runs/demo)")
+    demo.add_argument(
+        "--memory-limit", default="256MiB", help="plan as if the device had this much memory ('' for none)"
+    )
     rep = sub.add_parser("report", help="print the bottleneck report of a finished run")
     rep.add_argument("logdir", help="the run's log dir (report.json in it or in a directory below it)")
     rep.add_argument("--json", action="store_true", help="print report.json instead of markdown")
@@ -285,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed its usage message
         return 2 if exc.code not in (0, None) else 0
-    handler = {"preflight": _preflight, "devices": _devices, "report": _report}[args.command]
+    handler = {"preflight": _preflight, "devices": _devices, "report": _report, "demo": _demo}[args.command]
     try:
         return handler(args)
     except (_BadInput, ConfigurationError) as exc:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TinyGPT", "build"]
+__all__ = ["TinyGPT", "build", "run_demo"]
 
 
 class TinyGPT(nn.Module):
@@ -73,3 +73,40 @@ def build(batch_size: int = 16, seq_len: int = 256, vocab_size: int = 8192, seed
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator)
     return model, optimizer, (tokens[:, :-1], tokens[:, 1:])
+
+
+def run_demo(
+    steps: int = 12,
+    *,
+    batch_size: int = 16,
+    seq_len: int = 128,
+    log_dir: str = "runs/demo",
+    memory_limit: str | int | None = "256MiB",
+) -> Any:
+    """Train :class:`TinyGPT` on synthetic tokens under :func:`resource_guard.guard` on this machine.
+
+    The embedded default of ``resource-guard demo``: plans (under ``memory_limit``, which stands in for
+    a small GPU), trains ``steps`` effective batches, and writes TensorBoard events, the bottleneck
+    report (``report.md``/``report.json``), the memory picture and ``guard.json`` into ``log_dir``.
+    Returns the finished :class:`~resource_guard.context.Guard` (``g.plan``, ``g.report``).
+    """
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from .context import guard
+
+    model, optimizer, _ = build(batch_size=batch_size, seq_len=seq_len)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(
+        0, model.embed.num_embeddings, (batch_size * steps, seq_len + 1), generator=generator
+    )
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        return m(*batch)
+
+    with guard(model, optimizer, loss_fn=loss_fn, memory_limit=memory_limit, log_dir=log_dir) as g:
+        for batch in g.iterate(loader):
+            with g.autocast():
+                loss = loss_fn(model, batch)
+            g.backward(loss)
+    return g
