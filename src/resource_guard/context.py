@@ -139,14 +139,9 @@ class Guard:
                 f"`guard(checkpointing={checkpointing!r})` must be 'auto', True (required) or False (never)."
             )
         if memory_limit is not None:
-            from .devices import parse_bytes
+            from .devices import parse_memory_limit
 
-            try:
-                limit = parse_bytes(memory_limit)
-            except ConfigurationError as error:
-                raise ConfigurationError(f"`guard(memory_limit={memory_limit!r})`: {error}") from None
-            if limit <= 0:
-                raise ConfigurationError(f"`guard(memory_limit={memory_limit!r})` must be a size > 0.")
+            parse_memory_limit(memory_limit, "guard")
         catalog = _check_device_and_catalog(device, catalog)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ConfigurationError(f"`guard(clip_grad_norm={clip_grad_norm!r})` must be > 0 or None.")

@@ -44,6 +44,7 @@ __all__ = [
     "detect_local_devices",
     "load_catalog",
     "parse_bytes",
+    "parse_memory_limit",
     "resolve_device",
 ]
 
@@ -174,6 +175,17 @@ def parse_bytes(text: str | int | float) -> int:
     if match is None or match[3] not in _UNITS:
         raise bad
     return int(Decimal(match[1] + (match[2] or "")) * _UNITS[match[3]])
+
+
+def parse_memory_limit(value: str | int | float, call: str) -> int:
+    """A ``memory_limit`` argument of ``call`` (e.g. ``"plan"``) in bytes, > 0, or a ConfigurationError."""
+    try:
+        limit = parse_bytes(value)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"`{call}(memory_limit={value!r})`: {exc}") from None
+    if limit <= 0:
+        raise ConfigurationError(f"`{call}(memory_limit={value!r})` must be more than 0 bytes")
+    return limit
 
 
 def _key(name: str) -> str:

@@ -71,7 +71,7 @@ from ._plan_search import (
 from .allocator import DeviceFit
 from .batching import divisors
 from .checkpointing import find_checkpoint_blocks
-from .devices import Catalog, DeviceSpec, load_catalog, parse_bytes, resolve_device
+from .devices import Catalog, DeviceSpec, load_catalog, parse_memory_limit, resolve_device
 from .errors import ConfigurationError, ResourceGuardWarning
 from .estimate import MemoryEstimate, OptimizerArg, _check_inputs
 from .precision import parse_precision
@@ -291,12 +291,7 @@ def plan(
         raise ConfigurationError(f"`plan(device={device!r})`: {detail}") from None
     reasons = [f"device {spec.name} ({spec.kind}): " + ("asked for" if device != "auto" else "auto-detected")]
     if memory_limit is not None:
-        try:
-            limit = parse_bytes(memory_limit)
-        except ConfigurationError as exc:
-            raise ConfigurationError(f"`plan(memory_limit={memory_limit!r})`: {exc}") from None
-        if limit <= 0:
-            raise ConfigurationError(f"`plan(memory_limit={memory_limit!r})` must be more than 0 bytes")
+        limit = parse_memory_limit(memory_limit, "plan")
         spec = spec.with_memory(limit)
         reasons[0] += f", memory capped at {limit / _MiB:,.1f} MiB"
     if precision == "auto":
