@@ -37,8 +37,11 @@ Dropout is left at each config's default: which elements are dropped is random, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,7 +49,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["CASES", "MODELS", "Built", "precision_of", "is_checkpointed", "model_of"]
+__all__ = [
+    "CASES",
+    "MODELS",
+    "Built",
+    "precision_of",
+    "is_checkpointed",
+    "model_of",
+    "native_stderr_silenced",
+]
 
 Built = tuple[nn.Module, torch.optim.Optimizer, Any, "Callable[[nn.Module, Any], Any] | None"]
 
@@ -494,3 +505,19 @@ def model_of(name: str) -> str:
 
 
 CASES: dict[str, Callable[[], Built]] = _make_cases()
+
+
+@contextlib.contextmanager
+def native_stderr_silenced() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null: torch.profiler (used by the measurements, and possibly by
+    the estimator) prints start/stop lines from C++ that would drown the benchmarks' tables."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

@@ -12,16 +12,13 @@ Run:  python benchmarks/estimate_accuracy.py [--only SUBSTRING] [--json PATH] [-
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
-import os
 import statistics
 import sys
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cases import CASES, is_checkpointed, model_of, precision_of  # noqa: E402
+from cases import CASES, is_checkpointed, model_of, native_stderr_silenced, precision_of  # noqa: E402
 
 from resource_guard.measure import measure_training_step  # noqa: E402
 
@@ -47,23 +44,6 @@ def _quiet() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:
         pass
-
-
-@contextlib.contextmanager
-def _native_stderr_silenced() -> Iterator[None]:
-    """Send file descriptor 2 to /dev/null: torch.profiler (used by the measurement, and possibly by
-    the estimator) prints start/stop lines from C++ that would drown the table."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 def _load_estimator() -> Any:
@@ -113,7 +93,7 @@ def run_case(name: str, estimate_memory: Any) -> dict[str, Any]:
         before = _fingerprint(model, optimizer)
         t0 = time.perf_counter()
         try:
-            with _native_stderr_silenced():
+            with native_stderr_silenced():
                 est = estimate_memory(model, optimizer, batch, loss_fn, precision=precision, device="cpu")
         except Exception as exc:  # a report: record and carry on
             row["failure"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
@@ -130,7 +110,7 @@ def run_case(name: str, estimate_memory: Any) -> dict[str, Any]:
 
     model, optimizer, batch, loss_fn = build()
     t0 = time.perf_counter()
-    with _native_stderr_silenced():
+    with native_stderr_silenced():
         truth = measure_training_step(model, optimizer, batch, loss_fn, precision=precision)
     row["measure_s"] = time.perf_counter() - t0
     row["true_bytes"] = int(truth.peak_bytes)

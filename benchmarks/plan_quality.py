@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,21 +50,6 @@ ROWS: dict[str, tuple[str, int, bool]] = {
     "convbn": ("convbn", 64, False),
     "nn-transformer": ("nn-transformer", 200, False),
 }
-
-
-@contextlib.contextmanager
-def _native_stderr_silenced() -> Iterator[None]:
-    """torch.profiler prints start/stop lines from C++ on fd 2; keep them out of the table."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 def _real_peak(builder: Callable[..., Any], micro: int, ckpt: bool) -> int:
@@ -178,7 +162,7 @@ def main() -> None:
     print(_HEADER)
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|:-:|---:|---:|")
     started = time.perf_counter()
-    with _native_stderr_silenced():
+    with cases.native_stderr_silenced():
         rows = run(args.only)
     matched = sum(r["match"] for r in rows)
     traces = [r["traces"] for r in rows]
