@@ -1,0 +1,71 @@
+"""Checks that need a real CUDA device: the estimate and the allocator model against the allocator.
+
+They are skipped where no GPU exists (this repository's machines and CI); run them on a GPU host with
+``python -m pytest -m gpu``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from resource_guard import estimate_memory, guard
+from resource_guard.precision import parse_precision
+from resource_guard.step import training_step
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _setup(
+    device: str = "cuda",
+) -> tuple[nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = (torch.randn(64, 1024, device=device), torch.randn(64, 1024, device=device))
+    return model, optimizer, batch
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_allocated_and_reserved_peaks_match_the_cuda_allocator(precision: str) -> None:
+    if precision == "bf16-mixed" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    model, optimizer, batch = _setup()
+    estimate = estimate_memory(model, optimizer, batch, _loss, precision=precision)
+    fit = estimate.for_device("cuda:0")
+    spec = parse_precision(precision)
+    training_step(model, optimizer, batch, _loss, spec, "cuda")  # optimizer state now exists
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    training_step(model, optimizer, batch, _loss, spec, "cuda")
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    assert fit.allocated_peak_bytes == pytest.approx(allocated, rel=0.05)
+    assert fit.reserved_peak_bytes >= allocated
+    assert fit.reserved_peak_bytes == pytest.approx(reserved, rel=0.15)
+
+
+def test_a_guarded_cuda_run_reports_the_allocator_peak_without_drift(tmp_path: Path) -> None:
+    model, optimizer, batch = _setup("cpu")
+    loader = [batch] * 12
+    with guard(model, optimizer, loss_fn=_loss, device="cuda", log_dir=tmp_path) as g:
+        for micro in g.iterate(loader):
+            with g.autocast():
+                loss = _loss(model, micro)
+            g.backward(loss)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["summary"]["peak_memory_source"] == "cuda_allocated"
+    assert "estimate-drift" not in [f["id"] for f in report["findings"]]
+    assert g.summary()["measured_peak_bytes"] > 0
