@@ -7,7 +7,7 @@ strategy without tracing again; :func:`search_largest` finds the largest divisor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -142,7 +142,7 @@ class Tracer:
         groups = {(c.ckpt, c.strategy) for c in self.evaluated.values()}
         return [self._series(*g)[0] for g in groups]
 
-    def alternatives(self, per_rank: int, cost_fn: Callable[..., float]) -> tuple[Alternative, ...]:
+    def alternatives(self, per_rank: int) -> tuple[Alternative, ...]:
         """Every evaluated configuration as a table row: fitting ones first, cheapest first."""
         from ._plan_report import Alternative
 
@@ -156,7 +156,7 @@ class Tracer:
                 world_size=self.world_size,
                 predicted_peak_bytes=c.total,
                 fits=c.fits,
-                relative_cost=cost_fn(c.micro, per_rank, checkpointing=c.ckpt, strategy=c.strategy),
+                relative_cost=relative_cost(c.micro, per_rank, checkpointing=c.ckpt, strategy=c.strategy),
             )
             for c in self.evaluated.values()
         ]

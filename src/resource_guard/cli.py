@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError, DoesNotFitError, ResourceGuardError
+from .errors import DoesNotFitError, ResourceGuardError
 
 __all__ = ["main", "load_target", "format_bytes"]
 
@@ -314,10 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = {"preflight": _preflight, "devices": _devices, "report": _report, "demo": _demo}[args.command]
     try:
         return handler(args)
-    except (_BadInput, ConfigurationError) as exc:
-        print(f"resource-guard {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except ResourceGuardError as exc:
+    except (_BadInput, ResourceGuardError) as exc:
         print(f"resource-guard {args.command}: {exc}", file=sys.stderr)
         return 2
 

@@ -124,23 +124,11 @@ class Guard:
             raise ConfigurationError(
                 f"`guard(optimizer=...)` must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
-        if target_batch_size is not None and (
-            isinstance(target_batch_size, bool)
-            or not isinstance(target_batch_size, int)
-            or target_batch_size <= 0
-        ):
-            raise ConfigurationError(
-                f"`guard(target_batch_size={target_batch_size!r})` must be a positive int."
-            )
-        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
-            raise ConfigurationError(f"`guard(headroom={headroom!r})` must be in [0, 0.9).")
-        if not (checkpointing == "auto" or isinstance(checkpointing, bool)):
-            raise ConfigurationError(
-                f"`guard(checkpointing={checkpointing!r})` must be 'auto', True (required) or False (never)."
-            )
-        if memory_limit is not None:
-            from .devices import parse_memory_limit
+        from .devices import parse_memory_limit
+        from .planner import _check_args
 
+        _check_args(headroom, target_batch_size, 1, "auto", checkpointing, call="guard")
+        if memory_limit is not None:
             parse_memory_limit(memory_limit, "guard")
         catalog = _check_device_and_catalog(device, catalog)
         if clip_grad_norm is not None and not clip_grad_norm > 0:

@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,17 +171,26 @@ def _read_cpuinfo() -> str | None:
     return None
 
 
-def _cpu_spec(cpuinfo: str | None) -> DeviceSpec:
-    """Host RAM, and native bf16 from the CPU flags (x86 avx512_bf16/amx_bf16, Arm bf16; unknown: no)."""
-    flags: set[str] = set()
-    model = ""
+def _cpuinfo_fields(cpuinfo: str | None) -> Iterator[tuple[str, str]]:
     for line in (cpuinfo or "").splitlines():
         key, _, value = (part.strip() for part in line.partition(":"))
+        yield key, value
+
+
+def _cpu_has_native_bf16(cpuinfo: str | None) -> bool:
+    """Whether the CPU flags say native bf16 (x86 avx512_bf16/amx_bf16, Arm bf16; unknown: no)."""
+    flags: set[str] = set()
+    for key, value in _cpuinfo_fields(cpuinfo):
         if key in ("flags", "Features"):
             flags.update(value.split())
-        model = model or (value if key == "model name" else "")
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def _cpu_spec(cpuinfo: str | None) -> DeviceSpec:
+    """Host RAM, and native bf16 from the CPU flags (:func:`_cpu_has_native_bf16`)."""
+    model = next((value for key, value in _cpuinfo_fields(cpuinfo) if key == "model name" and value), "")
     ram = psutil.virtual_memory()
-    bf16 = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    bf16 = _cpu_has_native_bf16(cpuinfo)
     return _detected("cpu", "cpu", int(ram.total), None, display_name=model or platform.processor() or "CPU",
                      bf16=bf16, free_bytes=int(ram.available))  # fmt: skip
 

@@ -172,12 +172,7 @@ class Plan:
 # -- rules ------------------------------------------------------------------------------------------
 def _cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (``amx_bf16``/``avx512_bf16``, Arm ``bf16``). A test seam."""
-    flags: set[str] = set()
-    for line in (detect._read_cpuinfo() or "").splitlines():
-        key, _, value = (part.strip() for part in line.partition(":"))
-        if key in ("flags", "Features"):
-            flags.update(value.split())
-    return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+    return detect._cpu_has_native_bf16(detect._read_cpuinfo())
 
 
 def choose_precision(device: DeviceSpec) -> tuple[str, str]:
@@ -202,11 +197,19 @@ def choose_precision(device: DeviceSpec) -> tuple[str, str]:
     return "32-true", "the CPU has no native bf16: fp32"
 
 
-def _check_args(headroom: Any, target: Any, world_size: Any, strategy: Any, checkpointing: Any) -> None:
+def _check_args(
+    headroom: Any,
+    target: Any,
+    world_size: Any,
+    strategy: Any,
+    checkpointing: Any,
+    call: str = "plan",
+) -> None:
+    """Refuse bad planning arguments, quoting ``call`` (``guard`` checks its own the same way)."""
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
-        raise ConfigurationError(f"`plan(headroom={headroom!r})` must be a number in [0, 0.9)")
+        raise ConfigurationError(f"`{call}(headroom={headroom!r})` must be a number in [0, 0.9)")
     if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target < 1):
-        raise ConfigurationError(f"`plan(target_batch_size={target!r})` must be a positive int or None")
+        raise ConfigurationError(f"`{call}(target_batch_size={target!r})` must be a positive int or None")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigurationError(f"`plan(world_size={world_size!r})` must be an int >= 1")
     if strategy not in ("auto", "single", "ddp", "fsdp"):
@@ -218,8 +221,8 @@ def _check_args(headroom: Any, target: Any, world_size: Any, strategy: Any, chec
             f"`plan(strategy='single', world_size={world_size})`: one device cannot have {world_size} ranks; "
             "use strategy='ddp', 'fsdp' or 'auto', or world_size=1."
         )
-    if checkpointing not in ("auto", True, False):
-        raise ConfigurationError(f"`plan(checkpointing={checkpointing!r})` must be 'auto', True or False")
+    if not (checkpointing == "auto" or isinstance(checkpointing, bool)):  # 1 and 0 are not flags
+        raise ConfigurationError(f"`{call}(checkpointing={checkpointing!r})` must be 'auto', True or False")
 
 
 @contextlib.contextmanager
@@ -353,7 +356,7 @@ def plan(
     def cost(c: Candidate) -> float:
         return relative_cost(c.micro, per_rank, checkpointing=c.ckpt, strategy=c.strategy)
 
-    rows = tracer.alternatives(per_rank, cost_fn=relative_cost)
+    rows = tracer.alternatives(per_rank)
     if not found:
         raise no_fit_error(tracer, spec, catalog, headroom, rows, units)
     plain = [c for c in found if not c.ckpt]
