@@ -178,7 +178,7 @@ def run_stats(
         gpu_util_percent=weighted("gpu/util_percent"),
         process_cpu_percent=weighted("host/process_cpu_percent"),
         device=str(device),
-        device_kind="cuda" if device.type == "cuda" else device.type,
+        device_kind=device.type,
         device_name=spec.display_name or spec.name if spec is not None else None,
         precision=precision,
         float32_matmul_precision=torch.get_float32_matmul_precision(),

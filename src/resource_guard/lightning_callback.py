@@ -34,7 +34,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from . import _lightning_apply as ap
-from .devices import parse_bytes
+from .devices import parse_memory_limit
 from .errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from .precision import PRECISIONS, parse_precision
 from .profiling import ProfileWindow
@@ -129,15 +129,7 @@ class ResourceGuard(Callback):
         if accumulation != "auto" and not positive_int(accumulation):
             raise bad("accumulation", accumulation, "'auto' or a positive int")
         if memory_limit is not None:
-            try:
-                if isinstance(memory_limit, bool) or parse_bytes(memory_limit) <= 0:
-                    raise ValueError
-            except (ValueError, TypeError, ConfigurationError):
-                raise bad(
-                    "memory_limit",
-                    memory_limit,
-                    "a positive number of bytes, e.g. 6_000_000_000 or '6GiB', or None",
-                ) from None
+            parse_memory_limit(memory_limit, "ResourceGuard")
         for name, value in (
             ("fail_fast", fail_fast),
             ("monitor", monitor),

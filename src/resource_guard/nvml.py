@@ -52,16 +52,12 @@ class NvmlDevices:
         self._wanted = None if torch_indices is None else tuple(torch_indices)
         self._nvml: Any = None
         self._handles: dict[int, Any] = {}
+        self._unsupported: tuple[type[BaseException], ...] = ()
         self.error: str | None = None
 
     @property
     def is_open(self) -> bool:
         return self._nvml is not None
-
-    @property
-    def indices(self) -> tuple[int, ...]:
-        """Torch indices of the GPUs being sampled (empty before :meth:`open`)."""
-        return tuple(self._handles)
 
     def open(self) -> None:
         """Import ``pynvml``, initialise NVML and look up the handles.
@@ -82,6 +78,11 @@ class NvmlDevices:
         except errors as exc:
             raise self._fail(f"NVML cannot be initialised ({_describe(exc)})") from None
         self._nvml = pynvml
+        self._unsupported = tuple(
+            getattr(pynvml, name)
+            for name in ("NVMLError_NotSupported", "NVMLError_NoPermission", "NVMLError_FunctionNotFound")
+            if isinstance(getattr(pynvml, name, None), type)
+        )
         try:
             physical = [
                 _GpuInfo(_str(pynvml.nvmlDeviceGetName(h)), 0, None, uuid=_str(pynvml.nvmlDeviceGetUUID(h)))
@@ -141,14 +142,9 @@ class NvmlDevices:
 
     def _query(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)``, or ``None`` where the GPU does not support the query or forbids it."""
-        missing = tuple(
-            getattr(self._nvml, name)
-            for name in ("NVMLError_NotSupported", "NVMLError_NoPermission", "NVMLError_FunctionNotFound")
-            if isinstance(getattr(self._nvml, name, None), type)
-        )
         try:
             return fn(*args)
-        except missing:
+        except self._unsupported:
             return None
 
     def _fail(self, message: str) -> NvmlUnavailable:

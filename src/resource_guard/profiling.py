@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -214,9 +215,10 @@ def _records(prof: Any) -> list[EventRecord]:
     for ev in prof.events():
         on_device = ev.device_type != torch.autograd.DeviceType.CPU
         is_step = ev.name.startswith("ProfilerStep")
-        duration = ev.cpu_time_total if is_step else (ev.self_device_time_total if on_device else 0.0)
-        if not on_device and not is_step:
-            duration = ev.self_cpu_time_total
+        if is_step:
+            duration = ev.cpu_time_total
+        else:
+            duration = ev.self_device_time_total if on_device else ev.self_cpu_time_total
         shapes = tuple(tuple(s) for s in (ev.input_shapes or ()) if isinstance(s, (list, tuple)))
         dtypes = tuple(str(d) for d in (getattr(ev, "input_dtypes", None) or ()))
         out.append(EventRecord(ev.name, on_device, float(duration), shapes, dtypes))
@@ -314,7 +316,7 @@ class StepProfiler:
             notes.append(f"the run ended inside the profiler window: {steps} of {self.window.active} steps")
         summary = summarize_events(records, steps)
         trace = self._export(prof, notes)
-        return ProfileSummary(**{**summary.__dict__, "trace_path": trace, "notes": tuple(notes)})
+        return dataclasses.replace(summary, trace_path=trace, notes=tuple(notes))
 
     def _export(self, prof: Any, notes: list[str]) -> str | None:
         if self._trace_dir is None:

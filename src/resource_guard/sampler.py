@@ -99,10 +99,6 @@ class Sampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def start(self) -> None:
         """Start the thread (idempotent). NVML is opened lazily by the thread's first sample."""
         if self._thread is not None:

@@ -110,10 +110,6 @@ class TBLog:
     def image(self, tag: str, image_hwc: np.ndarray, step: int = 0) -> None:
         self.writer.add_image(TAG_PREFIX + tag, image_hwc, step, dataformats="HWC")
 
-    def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-
     def close(self) -> None:
         """Flush; close the writer only if this object created it (idempotent).
 

@@ -215,18 +215,22 @@ def count_flops(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = Non
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
+    from ._fake_world import fake_like
     from .step import map_tensors
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        return fake_like(t, t.dtype)
 
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=False)
         with mode:
             memo: dict[int, Any] = {}
             for p in model.parameters():
-                memo[id(p)] = torch.nn.Parameter(_fake(p), requires_grad=p.requires_grad)
+                memo[id(p)] = torch.nn.Parameter(fake(p), requires_grad=p.requires_grad)
             for b in model.buffers():
-                memo[id(b)] = _fake(b)
+                memo[id(b)] = fake(b)
             fake_model = copy.deepcopy(model, memo)
-            fake_batch = map_tensors(_fake, batch)
+            fake_batch = map_tensors(fake, batch)
             with FlopCounterMode(display=False) as counter:
                 loss = call_loss_fn(fake_model, fake_batch, loss_fn)
                 if loss.requires_grad:
@@ -240,8 +244,3 @@ def count_flops(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = Non
             stacklevel=2,
         )
         return None
-
-
-def _fake(t: torch.Tensor) -> torch.Tensor:
-    """A fake CPU tensor like ``t`` (created inside the active FakeTensorMode), values irrelevant."""
-    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
