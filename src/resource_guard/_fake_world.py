@@ -60,7 +60,6 @@ class FakeStep:
         spec: PrecisionSpec,
         tracker: StorageTracker,
     ) -> None:
-        self.spec = spec
         cast = spec.param_dtype if spec.param_dtype != torch.float32 else None
 
         def dtype_of(t: torch.Tensor) -> torch.dtype:
@@ -95,7 +94,7 @@ class FakeStep:
                 )
 
         def fake_input(t: torch.Tensor) -> torch.Tensor:
-            dtype = cast if cast is not None and t.is_floating_point() else t.dtype
+            dtype = dtype_of(t)
             fake = fake_like(t, dtype)
             if dtype == t.dtype:
                 tracker.shadow(fake, t)
@@ -109,7 +108,7 @@ class FakeStep:
         for b in self.buffers:
             tracker.track(b, "other")
 
-    def optimizer_variants(self, device_kind: str) -> dict[str, bool | None]:
+    def optimizer_variants(self) -> dict[str, bool | None]:
         groups = self.optimizer.param_groups
         if all("foreach" in g and g.get("foreach") is None and not g.get("fused") for g in groups):
             return {FOR_LOOP: False, FOREACH: True}

@@ -25,7 +25,7 @@ from ._fake_world import AS_SET, FOR_LOOP, FOREACH, FakeStep, fused_attention, i
 from ._tracer import CATEGORIES, PeakRecord, StorageTracker
 from .errors import ConfigurationError, ResourceGuardWarning
 from .precision import PrecisionSpec, parse_precision
-from .step import LossFn, batch_size_of, training_step
+from .step import LossFn, batch_size_of, iter_tensors, training_step
 
 if TYPE_CHECKING:
     from .allocator import DeviceFit
@@ -134,7 +134,7 @@ def _check_inputs(
             "training step has nothing to train; unfreeze some (`p.requires_grad_(True)`)."
         )
     if isinstance(optimizer, torch.optim.Optimizer):
-        own = {id(p) for p in model.parameters()}
+        own = {id(p) for p in params}
         foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
         if foreign:
             shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
@@ -227,9 +227,9 @@ def _trace(
             for v in st.values():
                 if isinstance(v, torch.Tensor):
                     tracker.track(v, "optimizer_state")
-        for t in _iter_fake(world.batch):
+        for t in iter_tensors(world.batch):
             tracker.track(t, "inputs")
-        variants = world.optimizer_variants(device_kind)
+        variants = world.optimizer_variants()
         scale = 2.0**16 if spec.loss_scaling else None
         current: list[Any] = ["forward", 0]
 
@@ -293,12 +293,6 @@ def _trace(
         initial_allocations=initial,
         trace_seconds=time.perf_counter() - started,
     )
-
-
-def _iter_fake(batch: Any) -> list[torch.Tensor]:
-    from .step import iter_tensors
-
-    return iter_tensors(batch)
 
 
 def estimate_memory(
