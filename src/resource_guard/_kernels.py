@@ -37,6 +37,14 @@ class KernelExtra:
     output_bytes: tuple[int | None, ...] = ()
 
 
+# the CPU flash-attention kernels keep per-thread fp32 accumulators (measured: ~1.7x / ~5.7x q's
+# bytes for bf16 forward / backward at ViT-like shapes on 2 threads); probed for CPU targets only
+_CPU_FLASH = {
+    "_scaled_dot_product_flash_attention_for_cpu": 2.0,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": 6.0,
+}
+
+
 def _probed_ops() -> dict[Any, float]:
     """Operators to probe, with the rule-of-thumb scratch (× the largest tensor) used above budget."""
     ops: dict[Any, float] = {
@@ -44,13 +52,10 @@ def _probed_ops() -> dict[Any, float]:
         _aten.convolution_backward.default: 2.0,
         _aten.native_batch_norm_backward.default: 1.0,
     }
-    # the CPU flash-attention kernels keep per-thread fp32 accumulators (measured: ~1.7x / ~5.7x q's
-    # bytes for bf16 forward / backward at ViT-like shapes on 2 threads)
     for name, factor in (
         ("mkldnn_rnn_layer", 16.0),
         ("mkldnn_rnn_layer_backward", 16.0),
-        ("_scaled_dot_product_flash_attention_for_cpu", 2.0),
-        ("_scaled_dot_product_flash_attention_for_cpu_backward", 6.0),
+        *_CPU_FLASH.items(),
     ):
         op = getattr(_aten, name, None)
         if op is not None:
@@ -59,14 +64,7 @@ def _probed_ops() -> dict[Any, float]:
 
 
 _PROBED = _probed_ops()
-_CPU_ONLY = {
-    getattr(_aten, name).default
-    for name in (
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention_for_cpu_backward",
-    )
-    if hasattr(_aten, name)
-}
+_CPU_ONLY = {getattr(_aten, name).default for name in _CPU_FLASH if hasattr(_aten, name)}
 # oneDNN bf16/fp16 GEMMs on CPU pack operands into scratch: measured ~1.4x the largest operand
 _REDUCED_GEMM_FACTOR = 1.5
 
@@ -91,7 +89,7 @@ _CACHE: dict[tuple, KernelExtra] = {}
 def _probe(
     func: Any, args: tuple, kwargs: dict, size_of: Callable[[torch.Tensor], int | None]
 ) -> KernelExtra:
-    from .measure import allocation_deltas
+    from .measure import allocation_deltas, peak_of
 
     def real(a: Any) -> Any:
         if not isinstance(a, torch.Tensor):
@@ -112,10 +110,7 @@ def _probe(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         ) as prof:
             out = func(*real_args, **real_kwargs)
-        running = peak = 0
-        for _, size in allocation_deltas(prof):
-            running += size
-            peak = max(peak, running)
+        peak = peak_of(allocation_deltas(prof))
         outputs: list[int | None] = []
         kept = 0
         seen: set[int] = set()
@@ -168,10 +163,10 @@ def kernel_extra(
     cpu = device_kind == "cpu"
     if func in _MATMULS:
         copied = _blas_copy_bytes(func, args)
-        reduced = any(
+        reduced = cpu and any(
             isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) for t in args[:3]
         )
-        if not (cpu and reduced):
+        if not reduced:
             return KernelExtra(copied) if copied else None
         extra = _probe_or_rule(func, args, kwargs, out, size_of, _REDUCED_GEMM_FACTOR)
         return KernelExtra(max(extra.scratch_bytes, copied))

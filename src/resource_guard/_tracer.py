@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["CATEGORIES", "PeakRecord", "StorageTracker"]
+__all__ = ["CATEGORIES", "PeakRecord", "SHADOW_MAX_NUMEL", "StorageTracker"]
 
 CATEGORIES = (
     "parameters",
@@ -44,7 +44,7 @@ CATEGORIES = (
     "other",
 )
 _PHASE_CATEGORY = {"forward": "activations", "backward": "temporaries", "optimizer": "temporaries"}
-_SHADOW_MAX_NUMEL = 1 << 22  # batch-derived values computed for real up to 4M elements per tensor
+SHADOW_MAX_NUMEL = 1 << 22  # batch-derived values computed for real up to 4M elements per tensor
 _aten = torch.ops.aten
 
 
@@ -219,7 +219,7 @@ class StorageTracker(TorchDispatchMode):
         fakes, _ = tree_flatten(out)
         reals, _ = tree_flatten(real_out)
         for f, r in zip(fakes, reals):
-            if isinstance(f, torch.Tensor) and isinstance(r, torch.Tensor) and r.numel() <= _SHADOW_MAX_NUMEL:
+            if isinstance(f, torch.Tensor) and isinstance(r, torch.Tensor) and r.numel() <= SHADOW_MAX_NUMEL:
                 self.shadows[f] = r
         if func._schema.is_mutable:
             fake_w = _written_args(func, args, kwargs)
@@ -229,7 +229,7 @@ class StorageTracker(TorchDispatchMode):
 
     def shadow(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         """Declare ``real`` the value of ``fake`` (used for the batch)."""
-        if real.numel() <= _SHADOW_MAX_NUMEL and real.device.type == "cpu" and not real.is_meta:
+        if real.numel() <= SHADOW_MAX_NUMEL and real.device.type == "cpu" and not real.is_meta:
             self.shadows[fake] = real
 
     # -- data-dependent operators without a shadow ----------------------------------------------

@@ -72,14 +72,14 @@ def analytic_estimate(
 
     def size(t: torch.Tensor) -> int:
         dtype = spec.param_dtype if t.is_floating_point() else t.dtype
-        return t.numel() * torch.empty((), dtype=dtype).element_size()
+        return t.numel() * dtype.itemsize
 
     param_bytes = sum(size(p) for p in params)
     trainable_bytes = sum(size(p) for p in params if p.requires_grad)
     buffer_bytes = sum(size(b) for b in model.buffers())
     states = optimizer_states_per_param(optimizer)
     input_bytes = sum(t.numel() * t.element_size() for t in iter_tensors(batch))
-    compute_bytes = torch.empty((), dtype=spec.compute_dtype).element_size()
+    compute_bytes = spec.compute_dtype.itemsize
     leaves = sum(1 for m in model.modules() if not list(m.children()))
     activations = 2 * leaves * _positions(batch) * _widest(model) * compute_bytes
     if spec.autocast_dtype is not None:

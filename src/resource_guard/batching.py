@@ -22,14 +22,13 @@ from typing import Any
 
 import torch
 
+# tensors of a resized batch up to this many elements are made for real (their values may matter to
+# the estimator: attention masks, ignored labels); larger ones are made on the ``meta`` device
+from ._tracer import SHADOW_MAX_NUMEL
 from .errors import ConfigurationError
 from .step import batch_size_of, iter_tensors, map_tensors
 
 __all__ = ["slice_batch", "split_batch", "resize_batch", "divisors", "SHADOW_MAX_NUMEL"]
-
-#: Tensors of a resized batch up to this many elements are made for real (their values may matter to
-#: the estimator: attention masks, ignored labels); larger ones are made on the ``meta`` device.
-SHADOW_MAX_NUMEL = 1 << 22
 
 
 def _leading_size(batch: Any, who: str) -> int:

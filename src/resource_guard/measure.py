@@ -16,7 +16,7 @@ from torch import nn
 from .precision import parse_precision
 from .step import LossFn, iter_tensors, training_step
 
-__all__ = ["MeasuredStep", "allocation_deltas", "live_bytes", "measure_training_step"]
+__all__ = ["MeasuredStep", "allocation_deltas", "live_bytes", "measure_training_step", "peak_of"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,15 @@ def allocation_deltas(prof: torch.profiler.profile) -> list[tuple[int, int]]:
     return events
 
 
+def peak_of(deltas: list[tuple[int, int]]) -> int:
+    """The highest running total of ``(time_ns, +bytes | -bytes)`` deltas, starting from 0."""
+    running = peak = 0
+    for _, size in deltas:
+        running += size
+        peak = max(peak, running)
+    return peak
+
+
 def measure_training_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -98,9 +107,6 @@ def measure_training_step(
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         training_step(model, optimizer, batch, loss_fn, spec, "cpu", loss_scale=scale)
-    running = peak = 0
     deltas = allocation_deltas(prof)
-    for _, size in deltas:
-        running += size
-        peak = max(peak, running)
+    peak = peak_of(deltas)
     return MeasuredStep(start + peak, start, peak, sum(1 for _, s in deltas if s > 0))
