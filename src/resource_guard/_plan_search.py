@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .batching import resize_batch
-from .checkpointing import apply_checkpointing, find_checkpoint_blocks
+from .checkpointing import apply_checkpointing
 from .estimate import MemoryEstimate, OptimizerArg, estimate_memory
 from .step import LossFn
 from .strategy import RankMemory, rank_fit, rank_memory
@@ -75,11 +75,12 @@ class Tracer:
         headroom: float,
         units: Sequence[int],
         world_size: int,
+        blocks: tuple[str, ...],
     ) -> None:
         self.model, self.optimizer, self.batch, self.loss_fn = model, optimizer, batch, loss_fn
         self.precision, self.device, self.headroom = precision, device, headroom
         self.units, self.world_size = tuple(units), world_size
-        self.blocks = find_checkpoint_blocks(model)
+        self.blocks = blocks  # find_checkpoint_blocks(model), found once by the planner
         self.count = 0
         self._traces: dict[tuple[bool, int], MemoryEstimate] = {}
         self.evaluated: dict[tuple[bool, str, int], Candidate] = {}

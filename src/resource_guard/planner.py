@@ -76,7 +76,7 @@ from .errors import ConfigurationError, ResourceGuardWarning
 from .estimate import MemoryEstimate, OptimizerArg, _check_inputs
 from .precision import parse_precision
 from .step import LossFn, batch_size_of
-from .strategy import RankMemory, unit_param_bytes
+from .strategy import STRATEGIES, RankMemory, unit_param_bytes
 
 __all__ = [
     "Alternative",
@@ -211,10 +211,10 @@ def _check_args(
     if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target < 1):
         raise ConfigurationError(f"`{call}(target_batch_size={target!r})` must be a positive int or None")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigurationError(f"`plan(world_size={world_size!r})` must be an int >= 1")
-    if strategy not in ("auto", "single", "ddp", "fsdp"):
+        raise ConfigurationError(f"`{call}(world_size={world_size!r})` must be an int >= 1")
+    if strategy not in ("auto", *STRATEGIES):
         raise ConfigurationError(
-            f"`plan(strategy={strategy!r})` must be one of 'auto', 'single', 'ddp', 'fsdp'"
+            f"`{call}(strategy={strategy!r})` must be one of 'auto', 'single', 'ddp', 'fsdp'"
         )
     if strategy == "single" and world_size > 1:
         raise ConfigurationError(
@@ -338,7 +338,7 @@ def plan(
     )
     units = unit_param_bytes(model, precision)
     noted: dict[str, None] = {}
-    tracer = Tracer(model, optimizer, batch, loss_fn, precision, spec, headroom, units, world_size)
+    tracer = Tracer(model, optimizer, batch, loss_fn, precision, spec, headroom, units, world_size, blocks)
     divs = divisors(per_rank)
     found: list[Candidate] = []
     with _collect_warnings(noted):
