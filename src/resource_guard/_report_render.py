@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .devices import format_bytes
+
 if TYPE_CHECKING:
     from .report import Report
 
@@ -19,17 +21,6 @@ def format_value(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
-
-
-def format_bytes(n: float | None) -> str:
-    """A byte count in B, KiB, MiB or GiB (``-`` for unknown)."""
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
 
 
 def render_markdown(report: Report) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .devices import format_bytes
 from .errors import DoesNotFitError, ResourceGuardError
 
 __all__ = ["main", "load_target", "format_bytes"]
@@ -26,23 +27,6 @@ _COMPARE = ("t4", "l4", "a10g", "rtx-4090", "a100-40gb", "a100-80gb", "h100-sxm"
 
 class _BadInput(Exception):
     """Bad input on the command line: printed as one paragraph, exit 2."""
-
-
-def format_bytes(n: float | None) -> str:
-    """Bytes as a short human string.
-
-    >>> format_bytes(3 * 2**30)
-    '3.00 GiB'
-    """
-    if n is None:
-        return "-"
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
-        n /= 1024
-    return f"{sign}{n:.2f} TiB"
 
 
 def _import_factory(target: str) -> Any:

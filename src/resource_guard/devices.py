@@ -43,6 +43,7 @@ __all__ = [
     "DeviceSpec",
     "detect_local_devices",
     "load_catalog",
+    "format_bytes",
     "parse_bytes",
     "parse_memory_limit",
     "resolve_device",
@@ -175,6 +176,23 @@ def parse_bytes(text: str | int | float) -> int:
     if match is None or match[3] not in _UNITS:
         raise bad
     return int(Decimal(match[1] + (match[2] or "")) * _UNITS[match[3]])
+
+
+def format_bytes(n: float | None) -> str:
+    """Bytes as a short human string.
+
+    >>> format_bytes(3 * 2**30)
+    '3.00 GiB'
+    """
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    return f"{sign}{n:.2f} TiB"
 
 
 def parse_memory_limit(value: str | int | float, call: str) -> int:
