@@ -1,6 +1,6 @@
 """Estimated vs real peak memory of one training step, over the cases in ``cases.py``.
 
-For every case: build it, estimate with ``resource_guard.estimate.estimate_memory`` (timed), build it
+For every case: build it, estimate with ``resource_guard.estimate_memory`` (timed), build it
 again from scratch and measure the real peak of a CPU step with ``measure_training_step`` (the ground
 truth: torch.profiler memory records). Prints one row per case and the summary against the targets
 of DESIGN.md ("Numbers to reach"): 100% coverage, median |error| <= 1%, max |error| <= 3%, never
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cases import CASES, is_checkpointed, model_of, native_stderr_silenced, precision_of  # noqa: E402
 
-from resource_guard.measure import measure_training_step  # noqa: E402
+from resource_guard.estimate import measure_training_step  # noqa: E402
 
 MIB = 2**20
 TARGET_MEDIAN = 1.0

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from resource_guard.monitor import RunMonitor
+from resource_guard.observe.monitor import RunMonitor
 
 TARGET = 0.005
 

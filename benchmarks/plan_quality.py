@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cases  # noqa: E402
 
-from resource_guard.batching import divisors, resize_batch  # noqa: E402
-from resource_guard.checkpointing import apply_checkpointing  # noqa: E402
-from resource_guard.measure import measure_training_step  # noqa: E402
-from resource_guard.planner import plan  # noqa: E402
+from resource_guard.estimate import measure_training_step  # noqa: E402
+from resource_guard.planning.checkpointing import apply_checkpointing  # noqa: E402
+from resource_guard.planning.planner import plan  # noqa: E402
+from resource_guard.step.batching import divisors, resize_batch  # noqa: E402
 
 MIB = 2**20
 TARGET = 840

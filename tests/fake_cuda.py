@@ -1,6 +1,6 @@
 """A CUDA device for the monitor without a GPU: ``torch.cuda.*`` mocked, training stays on the CPU.
 
-``install(monkeypatch)`` makes the :class:`~resource_guard.monitor.RunMonitor` that either front door
+``install(monkeypatch)`` makes the :class:`~resource_guard.RunMonitor` that either front door
 creates believe it runs on ``cuda:0`` (and sample every 10 ms, so that NVML is read several times in a
 short run); ``torch.cuda.max_memory_allocated`` reads :data:`PEAK_BYTES`; the private memory-history
 calls are recorded in the returned object's ``history`` list, and ``_dump_snapshot`` writes a small file.
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-import resource_guard.monitor as monitor_module
+import resource_guard.observe.monitor as monitor_module
 
 __all__ = ["PEAK_BYTES", "FakeEvent", "install"]
 

@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from resource_guard import estimate_memory, guard, plan
-from resource_guard.batching import split_batch
 from resource_guard.cli import main
 from resource_guard.devices import load_catalog
 from resource_guard.errors import ConfigurationError
-from resource_guard.measure import measure_training_step
-from resource_guard.step import batch_size_of, iter_tensors
+from resource_guard.estimate import measure_training_step
+from resource_guard.step.batching import split_batch
+from resource_guard.step.training import batch_size_of, iter_tensors
 
 DIM = 8
 ROWS = 12
@@ -325,7 +325,7 @@ BAD_CALLBACK_ARGS = [
 )
 def test_callback_constructor_refuses_bad_input(kwargs, quoted):
     pytest.importorskip("lightning.pytorch")
-    from resource_guard.lightning_callback import ResourceGuard
+    from resource_guard.frontdoors.lightning_callback import ResourceGuard
 
     with pytest.raises(ConfigurationError) as info:
         ResourceGuard(**kwargs)
@@ -343,7 +343,7 @@ BAD_CALLBACK_FIT = [
     ("kwargs", "mode", "words"), [c[1:] for c in BAD_CALLBACK_FIT], ids=[c[0] for c in BAD_CALLBACK_FIT]
 )
 def test_callback_refuses_bad_input_before_any_step(kwargs, mode, words):
-    from resource_guard.lightning_callback import ResourceGuard
+    from resource_guard.frontdoors.lightning_callback import ResourceGuard
 
     fit = _lightning()
     with pytest.raises(ConfigurationError, match=words):
@@ -352,7 +352,7 @@ def test_callback_refuses_bad_input_before_any_step(kwargs, mode, words):
 
 
 def test_callback_refuses_an_unwritable_log_dir_before_any_step(tmp_path):
-    from resource_guard.lightning_callback import ResourceGuard
+    from resource_guard.frontdoors.lightning_callback import ResourceGuard
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -576,7 +576,7 @@ def test_every_batch_shape_splits_into_micro_batches_of_the_same_shape(make, los
 
 @pytest.mark.parametrize(("make", "loss_fn"), [c[1:] for c in BATCH_SHAPES], ids=[c[0] for c in BATCH_SHAPES])
 def test_every_batch_shape_trains_through_guard_in_micro_batches(monkeypatch, make, loss_fn):
-    import resource_guard.planner as planner
+    import resource_guard.planning.planner as planner
 
     real_plan = planner.plan
 

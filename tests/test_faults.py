@@ -45,8 +45,8 @@ from fake_cuda import install as install_fake_cuda
 from fake_pynvml import FakeGpu, install
 from resource_guard import guard
 from resource_guard.errors import ResourceGuardWarning
-from resource_guard.lightning_callback import ResourceGuard
-from resource_guard.profiling import ProfileWindow
+from resource_guard.frontdoors.lightning_callback import ResourceGuard
+from resource_guard.observe.profiling import ProfileWindow
 
 DIM = 8
 BATCH = 4

@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from resource_guard import estimate_memory, guard
-from resource_guard.precision import parse_precision
-from resource_guard.step import training_step
+from resource_guard.step.precision import parse_precision
+from resource_guard.step.training import training_step
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,20 +4,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .allocator import DeviceFit
-from .checkpointing import apply_checkpointing
-from .context import Guard, guard
-from .devices import Catalog, DeviceSpec, load_catalog, parse_bytes, resolve_device
-from .errors import ConfigurationError, DoesNotFitError, ResourceGuardError, ResourceGuardWarning, TraceError
-from .estimate import CATEGORIES, MemoryEstimate, estimate_memory
-from .measure import MeasuredStep, measure_training_step
-from .monitor import RunMonitor
-from .planner import Plan, plan
-from .precision import PRECISIONS, PrecisionSpec, parse_precision
-from .report import Finding, Report
+from resource_guard.devices import Catalog, DeviceSpec, load_catalog, parse_bytes, resolve_device
+from resource_guard.errors import (
+    ConfigurationError,
+    DoesNotFitError,
+    ResourceGuardError,
+    ResourceGuardWarning,
+    TraceError,
+)
+from resource_guard.estimate import (
+    CATEGORIES,
+    DeviceFit,
+    MeasuredStep,
+    MemoryEstimate,
+    estimate_memory,
+    measure_training_step,
+)
+from resource_guard.frontdoors.context import Guard, guard
+from resource_guard.observe.monitor import RunMonitor
+from resource_guard.planning.checkpointing import apply_checkpointing
+from resource_guard.planning.planner import Plan, plan
+from resource_guard.report.findings import Finding, Report
+from resource_guard.step.precision import PRECISIONS, PrecisionSpec, parse_precision
 
 if TYPE_CHECKING:
-    from .lightning_callback import ResourceGuard
+    from resource_guard.frontdoors.lightning_callback import ResourceGuard
 
 __version__ = "0.1.0"
 
@@ -56,7 +67,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # Lightning is imported only when the callback is asked for
     if name == "ResourceGuard":
-        from .lightning_callback import ResourceGuard
+        from resource_guard.frontdoors.lightning_callback import ResourceGuard
 
         return ResourceGuard
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

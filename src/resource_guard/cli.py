@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .devices import format_bytes
-from .errors import DoesNotFitError, ResourceGuardError
+from resource_guard.devices import format_bytes
+from resource_guard.errors import DoesNotFitError, ResourceGuardError
 
 __all__ = ["main", "load_target", "format_bytes"]
 
@@ -154,9 +154,9 @@ def _print_report(target: str, estimate: Any, fit: Any, others: list[Any], headr
 
 
 def _preflight(args: argparse.Namespace) -> int:
-    from .devices import load_catalog, resolve_device
-    from .estimate import estimate_memory
-    from .precision import parse_precision
+    from resource_guard.devices import load_catalog, resolve_device
+    from resource_guard.estimate import estimate_memory
+    from resource_guard.step.precision import parse_precision
 
     if args.batch_size is not None and args.batch_size <= 0:
         raise _BadInput(f"--batch-size {args.batch_size} must be a positive integer.")
@@ -184,7 +184,7 @@ def _preflight(args: argparse.Namespace) -> int:
 
 
 def _devices(args: argparse.Namespace) -> int:
-    from .devices import detect_local_devices, load_catalog
+    from resource_guard.devices import detect_local_devices, load_catalog
 
     catalog = load_catalog(args.catalog)
     local = detect_local_devices(catalog)
@@ -228,13 +228,13 @@ def _spec_dict(d: Any) -> dict[str, Any]:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import report_command
+    from resource_guard.report.findings import report_command
 
     return report_command(args.logdir, as_json=args.json)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from resource_guard.demo import run_demo
 
     if args.steps <= 0:
         raise _BadInput(f"--steps {args.steps} must be a positive integer.")

@@ -1,0 +1,35 @@
+"""Devices: the catalog shipped with the package, this machine's devices, and turning a name into one.
+
+- :mod:`~resource_guard.devices.catalog`: :class:`DeviceSpec`, :class:`Catalog`, ``catalog.yaml``,
+  byte sizes (``parse_bytes`` / ``format_bytes``, ``memory_limit``).
+- :mod:`~resource_guard.devices.detect`: local CUDA/ROCm (NVML first, no CUDA context), MPS and CPU;
+  :func:`resolve_device`.
+- :mod:`~resource_guard.devices.nvml`: the NVML handles the monitor samples.
+
+Imports only :mod:`resource_guard.errors`.
+"""
+
+from resource_guard.devices.catalog import (
+    DEVICE_KINDS,
+    PEAK_DTYPES,
+    Catalog,
+    DeviceSpec,
+    format_bytes,
+    load_catalog,
+    parse_bytes,
+    parse_memory_limit,
+)
+from resource_guard.devices.detect import detect_local_devices, resolve_device
+
+__all__ = [
+    "DEVICE_KINDS",
+    "PEAK_DTYPES",
+    "Catalog",
+    "DeviceSpec",
+    "detect_local_devices",
+    "format_bytes",
+    "load_catalog",
+    "parse_bytes",
+    "parse_memory_limit",
+    "resolve_device",
+]

@@ -1,0 +1,33 @@
+"""Estimate: the memory of one full training step, traced on fake tensors, and what a device would show.
+
+- :mod:`~resource_guard.estimate.estimator`: :func:`estimate_memory` (checks, trace, fallback).
+- :mod:`~resource_guard.estimate.result`: :class:`MemoryEstimate`, the result type.
+- :mod:`~resource_guard.estimate.tracer`: live-storage accounting by category, shadow values.
+- :mod:`~resource_guard.estimate.fake_world`: the model/optimizer/batch copied onto fake tensors,
+  the target's optimizer code paths and attention kernel, isolated global state.
+- :mod:`~resource_guard.estimate.kernels`: real-kernel scratch (oneDNN, CPU flash attention) probes.
+- :mod:`~resource_guard.estimate.analytic`: the fallback when a step cannot be traced.
+- :mod:`~resource_guard.estimate.allocator`: the CUDA caching allocator, context and workspaces
+  (:class:`DeviceFit`).
+- :mod:`~resource_guard.estimate.measure`: the real peak of a CPU step (the ground truth).
+
+Imports :mod:`resource_guard.step` and :mod:`resource_guard.devices`, nothing above.
+"""
+
+from resource_guard.estimate.allocator import DeviceFit, device_fit
+from resource_guard.estimate.estimator import estimate_memory
+from resource_guard.estimate.measure import MeasuredStep, measure_training_step
+from resource_guard.estimate.result import MemoryEstimate
+from resource_guard.estimate.tracer import CATEGORIES
+from resource_guard.step.training import OptimizerArg
+
+__all__ = [
+    "CATEGORIES",
+    "DeviceFit",
+    "MeasuredStep",
+    "MemoryEstimate",
+    "OptimizerArg",
+    "device_fit",
+    "estimate_memory",
+    "measure_training_step",
+]

@@ -1,0 +1,289 @@
+"""What a device would show for an estimated step: the CUDA caching allocator's effect, context, fit.
+
+The estimate counts live tensor bytes. On a CUDA device, PyTorch's caching allocator
+(``c10/cuda/CUDACachingAllocator.cpp``) rounds and pools them; this module replays the step's
+allocation events through a model of it. Constants and their sources:
+
+- ``_MIN_BLOCK = 512``: every request is rounded up to a multiple of 512 bytes (``kMinBlockSize``).
+- ``_SMALL_SIZE = 1 MiB``: requests up to 1 MiB come from the small pool (``kSmallSize``), carved from
+  2 MiB segments (``_SMALL_SEGMENT``, ``kSmallBuffer``).
+- Larger requests under 10 MiB (``kMinLargeAlloc``) are carved from 20 MiB segments (``kLargeBuffer``);
+  from 10 MiB up a segment of the request rounded to 2 MiB (``kRoundLarge``) is allocated.
+- A free block is split when the remainder is ≥ 512 bytes (small pool) or > 1 MiB (large pool);
+  freed neighbours merge; a request takes the best-fitting free block of its pool.
+- CUDA context: 300–500 MB per process with lazy module loading (the default since CUDA 11.7 /
+  PyTorch 1.13; PyTorch's CUDA semantics notes and NVIDIA's lazy-loading notes). We use 450 MiB.
+- cuBLAS workspace: PyTorch's default ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:2:16:8`` (8.125 MiB)
+  before Hopper and ``:4096:8`` (32 MiB) on compute capability ≥ 9.0, plus a 1 MiB cuBLASLt workspace
+  (``TORCH_CUBLASLT_WORKSPACE_SIZE``); they are allocated through the caching allocator and kept.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from resource_guard.devices import DeviceSpec, resolve_device
+from resource_guard.errors import ConfigurationError
+
+__all__ = [
+    "AllocatorPeaks",
+    "CUDA_CONTEXT_BYTES",
+    "DeviceFit",
+    "StepMemory",
+    "device_fit",
+    "simulate_caching_allocator",
+]
+
+MiB = 2**20
+_MIN_BLOCK = 512
+_SMALL_SIZE = 1 * MiB
+_SMALL_SEGMENT = 2 * MiB
+_LARGE_SEGMENT = 20 * MiB
+_MIN_LARGE_ALLOC = 10 * MiB
+_ROUND_LARGE = 2 * MiB
+CUDA_CONTEXT_BYTES = 450 * MiB
+
+
+def _cublas_workspace_bytes(compute_capability: str | None) -> int:
+    major = int(compute_capability.split(".")[0]) if compute_capability else 8
+    cublas = 32 * MiB if major >= 9 else 2 * 4096 * 1024 + 8 * 16 * 1024
+    return cublas + 1 * MiB
+
+
+@dataclass(frozen=True)
+class AllocatorPeaks:
+    """Peaks of the caching allocator model.
+
+    ``allocated``: rounded live blocks; ``reserved``: segments.
+    """
+
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int
+    segments: int
+
+
+class _Block:
+    __slots__ = ("size", "offset", "segment", "free", "prev", "next", "small")
+
+    def __init__(self, size: int, offset: int, segment: int, small: bool) -> None:
+        self.size, self.offset, self.segment, self.small = size, offset, segment, small
+        self.free = True
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.size, self.segment, self.offset)
+
+
+def _round(size: int) -> int:
+    return max(_MIN_BLOCK, (size + _MIN_BLOCK - 1) // _MIN_BLOCK * _MIN_BLOCK)
+
+
+def simulate_caching_allocator(events: Any, initial: Any = ()) -> AllocatorPeaks:
+    """Replay ``(id, +bytes | -bytes)`` events through the caching-allocator model.
+
+    ``initial`` holds ``(id, bytes)`` of allocations alive before the events (parameters, state, ...).
+
+    Example:
+        >>> simulate_caching_allocator([(0, 100), (1, 3 * 2**20), (0, -100)]).reserved_peak_bytes
+        23068672
+    """
+    pools: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # sorted free-block keys
+    by_key: dict[tuple[int, int, int], _Block] = {}
+    live: dict[int, _Block] = {}
+    state = {"allocated": 0, "reserved": 0, "segments": 0, "peak_alloc": 0, "peak_res": 0}
+
+    def add_free(b: _Block) -> None:
+        b.free = True
+        k = b.key()
+        by_key[k] = b
+        bisect.insort(pools[b.small], k)
+
+    def take_free(b: _Block) -> None:
+        k = b.key()
+        pool = pools[b.small]
+        pool.pop(bisect.bisect_left(pool, k))
+        del by_key[k]
+        b.free = False
+
+    def malloc(uid: int, size: int) -> None:
+        size = _round(size)
+        small = size <= _SMALL_SIZE
+        pool = pools[small]
+        i = bisect.bisect_left(pool, (size, -1, -1))
+        if i < len(pool):
+            block = by_key[pool[i]]
+            take_free(block)
+        else:
+            if small:
+                seg_size = _SMALL_SEGMENT
+            elif size < _MIN_LARGE_ALLOC:
+                seg_size = _LARGE_SEGMENT
+            else:
+                seg_size = (size + _ROUND_LARGE - 1) // _ROUND_LARGE * _ROUND_LARGE
+            state["segments"] += 1
+            state["reserved"] += seg_size
+            block = _Block(seg_size, 0, state["segments"], small)
+            block.free = False
+        remaining = block.size - size
+        if (small and remaining >= _MIN_BLOCK) or (not small and remaining > _SMALL_SIZE):
+            rest = _Block(remaining, block.offset + size, block.segment, small)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            add_free(rest)
+        live[uid] = block
+        state["allocated"] += block.size
+        state["peak_alloc"] = max(state["peak_alloc"], state["allocated"])
+        state["peak_res"] = max(state["peak_res"], state["reserved"])
+
+    def free(uid: int) -> None:
+        block = live.pop(uid, None)
+        if block is None:
+            return
+        state["allocated"] -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                take_free(neighbour)
+                if neighbour is block.prev:
+                    neighbour.size += block.size
+                    neighbour.next = block.next
+                    if block.next is not None:
+                        block.next.prev = neighbour
+                    block = neighbour
+                else:
+                    block.size += neighbour.size
+                    block.next = neighbour.next
+                    if neighbour.next is not None:
+                        neighbour.next.prev = block
+        add_free(block)
+
+    for uid, size in initial:
+        malloc(uid, size)
+    for uid, delta in events:
+        if delta > 0:
+            if uid in live:  # a resize: the storage grew
+                size = live[uid].size + delta
+                free(uid)
+                malloc(uid, size)
+            else:
+                malloc(uid, delta)
+        else:
+            free(uid)
+    return AllocatorPeaks(state["peak_alloc"], state["peak_res"], state["segments"])
+
+
+@dataclass(frozen=True)
+class DeviceFit:
+    """Whether one training step fits a device, and what the device would show.
+
+    Attributes:
+        device: the device the figures are for.
+        capacity_bytes: the device's memory (or, for a detected device, what is free).
+        allocated_peak_bytes: what ``torch.cuda.max_memory_allocated`` would report.
+        reserved_peak_bytes: what ``torch.cuda.max_memory_reserved`` would report.
+        context_bytes: CUDA context and libraries (0 off CUDA).
+        workspace_bytes: cuBLAS/cuBLASLt workspaces (included in allocated and reserved).
+        device_total_bytes: the device-level total, as nvidia-smi would show it.
+        usable_bytes: ``capacity_bytes × (1 − headroom)``.
+        fits: ``device_total_bytes ≤ usable_bytes``.
+        headroom_bytes: ``capacity_bytes − device_total_bytes`` (negative when it does not fit).
+        notes: how the figures were derived.
+    """
+
+    device: DeviceSpec
+    capacity_bytes: int
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int
+    context_bytes: int
+    workspace_bytes: int
+    device_total_bytes: int
+    usable_bytes: int
+    fits: bool
+    headroom_bytes: int
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device.name,
+            "capacity_bytes": self.capacity_bytes,
+            "allocated_peak_bytes": self.allocated_peak_bytes,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "context_bytes": self.context_bytes,
+            "workspace_bytes": self.workspace_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "usable_bytes": self.usable_bytes,
+            "fits": self.fits,
+            "headroom_bytes": self.headroom_bytes,
+            "notes": list(self.notes),
+        }
+
+
+class StepMemory(Protocol):
+    """What :func:`device_fit` reads of an estimate (a :class:`~resource_guard.MemoryEstimate`)."""
+
+    @property
+    def peak_bytes(self) -> int: ...
+    @property
+    def device_kind(self) -> str: ...
+    @property
+    def phase_peak_bytes(self) -> Mapping[str, int]: ...
+    @property
+    def allocations(self) -> Sequence[tuple[int, int]]: ...
+    @property
+    def initial_allocations(self) -> Sequence[tuple[int, int]]: ...
+
+
+def device_fit(
+    estimate: StepMemory, device: str | DeviceSpec = "auto", *, headroom: float = 0.1, catalog: Any = None
+) -> DeviceFit:
+    """Figures of ``estimate`` on ``device`` (a catalog name, ``"auto"``, ``"cpu"``, ``"cuda:N"``)."""
+    if not 0 <= headroom < 0.9:
+        raise ConfigurationError(f"`for_device(headroom={headroom!r})` must be in [0, 0.9)")
+    spec = resolve_device(device, catalog) if isinstance(device, str) else device
+    notes: list[str] = []
+    peak = estimate.peak_bytes
+    gpu_kind = spec.kind in ("cuda", "rocm")
+    if gpu_kind != (estimate.device_kind in ("cuda", "rocm")):
+        path = "optimizer:foreach" if gpu_kind else "optimizer:for-loop"
+        if path in estimate.phase_peak_bytes:
+            others = [v for k, v in estimate.phase_peak_bytes.items() if not k.startswith("optimizer")]
+            peak = max([estimate.phase_peak_bytes[path], *others])
+            notes.append(
+                f"estimated for {estimate.device_kind}; the {path.split(':')[1]} optimizer path used here"
+            )
+    capacity = spec.free_bytes if spec.free_bytes is not None else spec.memory_bytes
+    if gpu_kind:
+        workspace = _cublas_workspace_bytes(spec.compute_capability)
+        sim = simulate_caching_allocator(estimate.allocations, estimate.initial_allocations)
+        rounding = sim.allocated_peak_bytes - estimate.peak_bytes
+        allocated = peak + max(rounding, 0) + workspace
+        reserved = max(sim.reserved_peak_bytes + (peak - estimate.peak_bytes), allocated)
+        context = CUDA_CONTEXT_BYTES
+        total = reserved + context
+        notes.append("caching allocator modelled: 512 B rounding, 2/20 MiB segments, ≥10 MiB exact blocks")
+    else:
+        allocated = reserved = peak
+        workspace = context = 0
+        total = peak
+        if spec.kind == "mps" or spec.unified_memory:
+            notes.append("unified memory: the step shares capacity with the system")
+    usable = int(capacity * (1 - headroom))
+    return DeviceFit(
+        device=spec,
+        capacity_bytes=int(capacity),
+        allocated_peak_bytes=int(allocated),
+        reserved_peak_bytes=int(reserved),
+        context_bytes=int(context),
+        workspace_bytes=int(workspace),
+        device_total_bytes=int(total),
+        usable_bytes=usable,
+        fits=total <= usable,
+        headroom_bytes=int(capacity - total),
+        notes=tuple(notes),
+    )

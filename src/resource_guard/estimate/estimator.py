@@ -1,0 +1,295 @@
+"""Pre-flight memory estimate of one full training step, without a GPU and without model-sized memory.
+
+:func:`estimate_memory` copies the model and optimizer onto fake tensors (shapes, dtypes and strides,
+no data), brings the optimizer to its steady state, then runs forward, loss, backward, optimizer step
+and ``zero_grad`` while a :class:`~resource_guard.estimate.tracer.StorageTracker` counts live storage bytes
+by category. The caller's model, optimizer, batch and RNG state are left untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from resource_guard.devices import resolve_device
+from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.estimate import kernels as _kernels
+from resource_guard.estimate.analytic import analytic_estimate
+from resource_guard.estimate.fake_world import (
+    AS_SET,
+    FOR_LOOP,
+    FOREACH,
+    FakeStep,
+    fused_attention,
+    isolated_global_state,
+)
+from resource_guard.estimate.result import MemoryEstimate
+from resource_guard.estimate.tracer import PeakRecord, StorageTracker
+from resource_guard.step.precision import PrecisionSpec, parse_precision
+from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of, iter_tensors, training_step
+
+__all__ = ["estimate_memory"]
+
+_TIMELINE_POINTS = 2000
+
+
+# -- input checks -----------------------------------------------------------------------------------
+def _check_inputs(
+    model: Any, optimizer: Any, batch: Any, loss_fn: Any = None, who: str = "estimate_memory"
+) -> None:
+    """Refuse bad arguments of ``who`` (``estimate_memory`` or ``plan``) before any tracing."""
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(f"`{who}(model=...)` must be a torch.nn.Module, got {type(model).__name__}.")
+    params = list(model.parameters())
+    if not params:
+        raise ConfigurationError(
+            f"`{who}(model=...)`: {type(model).__name__} has no parameters, so a training step has nothing "
+            "to train; pass the module that owns the weights."
+        )
+    if not any(p.requires_grad for p in params):
+        raise ConfigurationError(
+            f"`{who}(model=...)`: none of the {type(model).__name__}'s parameters requires grad, so a "
+            "training step has nothing to train; unfreeze some (`p.requires_grad_(True)`)."
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        own = {id(p) for p in params}
+        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+        if foreign:
+            shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
+            raise ConfigurationError(
+                f"`{who}(optimizer=...)` holds {len(foreign)} parameter(s) that are not the model's "
+                f"(shapes {shapes}); build it over `model.parameters()`, or pass a factory "
+                "`lambda params: torch.optim.AdamW(params)`."
+            )
+    elif not callable(optimizer):
+        raise ConfigurationError(
+            f"`{who}(optimizer=...)` must be a torch.optim.Optimizer over the model's parameters or a "
+            f"factory `params -> Optimizer`, got {type(optimizer).__name__}."
+        )
+    if batch is None:
+        raise ConfigurationError(
+            f"`{who}(batch=None)`: pass one sample batch as the training loop receives it."
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigurationError(
+            f"`{who}(loss_fn={loss_fn!r})` must be a callable `(model, batch) -> loss` or None "
+            "(then the model's output is the loss)."
+        )
+
+
+def _default_kind(model: nn.Module) -> str:
+    for p in model.parameters():
+        return "cuda" if p.device.type == "meta" else p.device.type
+    return "cpu"
+
+
+def _phase_of(key: str) -> str:
+    return key.split(":")[0]
+
+
+def _select(tracker: StorageTracker, variant: str) -> tuple[PeakRecord, dict[str, int]]:
+    phase_peaks: dict[str, int] = {}
+    best: PeakRecord | None = None
+    for key, record in tracker.peaks.items():
+        if key.startswith("optimizer:") and key != f"optimizer:{variant}":
+            phase_peaks[key] = record.bytes
+            continue
+        phase = _phase_of(key)
+        phase_peaks[phase] = max(phase_peaks.get(phase, 0), record.bytes)
+        if key.startswith("optimizer:"):
+            phase_peaks[key] = record.bytes
+        if best is None or record.bytes > best.bytes:
+            best = record
+    assert best is not None  # the forward phase is always observed
+    return best, phase_peaks
+
+
+def _events_for(
+    tracker: StorageTracker, spans: list[tuple[str, int, int]], variant: str
+) -> list[tuple[int, int]]:
+    skip = [(a, b) for key, a, b in spans if key.startswith("optimizer:") and key != f"optimizer:{variant}"]
+    if not skip:
+        return list(tracker.events)
+    out = []
+    for i, ev in enumerate(tracker.events):
+        if not any(a <= i < b for a, b in skip):
+            out.append(ev)
+    return out
+
+
+def _downsample(timeline: list[Any], phases_keep: Callable[[str], bool]) -> tuple[Any, ...]:
+    kept = [pt for pt in timeline if phases_keep(pt[0])]
+    if len(kept) <= _TIMELINE_POINTS:
+        return tuple(kept)
+    stride = len(kept) / _TIMELINE_POINTS
+    return tuple(kept[int(i * stride)] for i in range(_TIMELINE_POINTS))
+
+
+def _trace(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    batch: Any,
+    loss_fn: LossFn | None,
+    spec: PrecisionSpec,
+    device_kind: str,
+) -> MemoryEstimate:
+    started = time.perf_counter()
+    tracker = StorageTracker(functools.partial(_kernels.kernel_extra, device_kind=device_kind))
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    spans: list[tuple[str, int, int]] = []
+    fused = fused_attention() if device_kind in ("cuda", "rocm") else contextlib.nullcontext()
+    with fused, fake_mode, tracker:
+        world = FakeStep(model, optimizer, batch, spec, tracker)
+        world.warm_up_optimizer()
+        for st in world.optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    tracker.track(v, "optimizer_state")
+        for t in iter_tensors(world.batch):
+            tracker.track(t, "inputs")
+        variants = world.optimizer_variants()
+        scale = 2.0**16 if spec.loss_scaling else None
+        current: list[Any] = ["forward", 0]
+
+        def on_phase(phase: str) -> None:
+            spans.append((current[0], current[1], len(tracker.events)))
+            current[:] = [phase, len(tracker.events)]
+            tracker.start_phase(phase)
+
+        def optimizer_step() -> None:
+            for name, foreach in variants.items():
+                if name != AS_SET:
+                    for g in world.optimizer.param_groups:
+                        g["foreach"] = foreach
+                on_phase(f"optimizer:{name}")
+                world.optimizer.step()
+
+        initial = tracker.live_storages()
+        tracker.recording = True
+        tracker.start_phase("forward")
+        training_step(
+            world.model,
+            world.optimizer,
+            world.batch,
+            loss_fn,
+            spec,
+            "cpu",
+            on_phase=lambda ph: None if ph in ("forward", "optimizer") else on_phase(ph),
+            loss_scale=scale,
+            optimizer_step=optimizer_step,
+        )
+        spans.append((current[0], current[1], len(tracker.events)))
+        tracker.detach()
+
+    variant = AS_SET if AS_SET in variants else (FOREACH if device_kind in ("cuda", "rocm") else FOR_LOOP)
+    best, phase_peaks = _select(tracker, variant)
+    params = {id(p): p for p in model.parameters()}.values()
+    notes = [
+        f"`{name}` depends on tensor values; assumed "
+        f"{'every element' if name != '_local_scalar_dense' else '0'}"
+        f" ({count}x)"
+        for name, count in tracker.assumptions.items()
+    ]
+    keep = lambda ph: not ph.startswith("optimizer:") or ph == f"optimizer:{variant}"  # noqa: E731
+    persistent = sum(best.breakdown[c] for c in ("parameters", "optimizer_state", "other"))
+    return MemoryEstimate(
+        peak_bytes=best.bytes,
+        breakdown=best.breakdown,
+        method="trace",
+        precision=spec.name,
+        device_kind=device_kind,
+        peak_phase=_phase_of(best.phase),
+        peak_op=best.op,
+        batch_size=batch_size_of(batch),
+        parameter_count=sum(p.numel() for p in params),
+        trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad),
+        persistent_bytes=persistent,
+        phase_peak_bytes=phase_peaks,
+        warnings=tuple(notes),
+        timeline=_downsample(tracker.timeline, keep),
+        allocations=tuple(_events_for(tracker, spans, variant)),
+        initial_allocations=initial,
+        trace_seconds=time.perf_counter() - started,
+    )
+
+
+def estimate_memory(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    precision: str = "32-true",
+    device: str | None = None,
+) -> MemoryEstimate:
+    """Estimate the memory of one steady-state training step.
+
+    Args:
+        model: the model, on any device including ``meta`` (nothing of its size is allocated).
+        optimizer: an optimizer over ``model``'s parameters, or a factory ``params -> Optimizer``.
+        batch: one sample batch, as the training loop receives it.
+        loss_fn: ``(model, batch) -> loss or output``; default: ``model(**batch)`` for a mapping,
+            ``model(*batch)`` for a tuple/list, else ``model(batch)``, and the loss is the output if
+            it is a scalar, else ``output.loss`` / ``output["loss"]``.
+        precision: a Lightning precision name: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``,
+            ``"16-true"``, ``"bf16-true"``.
+        device: the kind of device the run will use (``"cuda"``, ``"cpu"``, ``"mps"``) or a catalog
+            name; where PyTorch's behaviour depends on the device (the optimizer's foreach path), the
+            target's behaviour counts. Default: the model's device (``meta`` means ``cuda``).
+
+    Returns:
+        A :class:`MemoryEstimate`.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+        >>> est = estimate_memory(model, torch.optim.AdamW(model.parameters()), torch.randn(32, 64),
+        ...                       lambda m, b: m(b).square().mean(), device="cpu")
+        >>> est.breakdown["optimizer_state"] >= 2 * est.breakdown["parameters"]
+        True
+    """
+    _check_inputs(model, optimizer, batch, loss_fn)
+    spec = parse_precision(precision)
+    kind = _device_kind(device) if device is not None else _default_kind(model)
+    with isolated_global_state():
+        try:
+            return _trace(model, optimizer, batch, loss_fn, spec, kind)
+        except ConfigurationError:
+            raise
+        except Exception as exc:  # the trace could not run this model: fall back, conservatively
+            reason = (
+                f"tracing failed ({type(exc).__name__}: {_first_line(exc)}); analytic estimate, conservative"
+            )
+            warnings.warn(reason, ResourceGuardWarning, stacklevel=2)
+            return analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def _device_kind(device: Any) -> str:
+    if hasattr(device, "kind"):
+        return str(device.kind)
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigurationError(
+            f"`estimate_memory(device={device!r})` must be a device kind ('cuda', 'cpu', 'mps'), a catalog "
+            "name such as 'a100-40gb', a DeviceSpec or None."
+        )
+    name = str(device).strip().lower()
+    for kind in ("cuda", "cpu", "mps", "rocm"):
+        if name == kind or name.startswith(kind + ":"):
+            return kind
+    try:
+        return resolve_device(name).kind
+    except ConfigurationError as exc:
+        detail = str(exc).partition("`: ")[2] or str(exc)  # drop resolve_device's own call quote
+        raise ConfigurationError(f"`estimate_memory(device={device!r})`: {detail}") from None

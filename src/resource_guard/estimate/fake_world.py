@@ -1,0 +1,198 @@
+"""The world an estimate traces in: fake copies of the model, optimizer and batch (:class:`FakeStep`),
+the fused attention kernel a GPU would run (:func:`fused_attention`), and the training step's global
+state, isolated from the caller's (:func:`isolated_global_state`). Used by
+:func:`~resource_guard.estimate.estimator.estimate_memory`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from resource_guard.errors import ConfigurationError
+from resource_guard.estimate.tracer import StorageTracker
+from resource_guard.step.precision import PrecisionSpec
+from resource_guard.step.training import map_tensors
+
+if TYPE_CHECKING:
+    from resource_guard.step.training import OptimizerArg
+
+__all__ = [
+    "FOREACH",
+    "FOR_LOOP",
+    "AS_SET",
+    "FakeStep",
+    "fake_like",
+    "fake_scalar",
+    "fused_attention",
+    "isolated_global_state",
+]
+
+FOREACH, FOR_LOOP, AS_SET = "foreach", "for-loop", "as-set"  # the optimizer code paths traced
+
+
+def fake_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device="cpu")
+
+
+def fake_scalar(t: torch.Tensor) -> torch.Tensor:
+    """A fake scalar that keeps its value (an optimizer's ``step`` is read with ``.item()``)."""
+    value = 1 if t.is_meta else t.item()
+    return torch.tensor(value, dtype=t.dtype).reshape(t.shape)
+
+
+class FakeStep:
+    """The fake model, optimizer and batch of one estimate, and the step run over them."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerArg,
+        batch: Any,
+        spec: PrecisionSpec,
+        tracker: StorageTracker,
+    ) -> None:
+        cast = spec.param_dtype if spec.param_dtype != torch.float32 else None
+
+        def dtype_of(t: torch.Tensor) -> torch.dtype:
+            return cast if cast is not None and t.is_floating_point() else t.dtype
+
+        memo: dict[int, Any] = {}
+        self.params: list[nn.Parameter] = []
+        for p in model.parameters():
+            fp = nn.Parameter(fake_like(p, dtype_of(p)), requires_grad=p.requires_grad)
+            memo[id(p)] = fp
+            self.params.append(fp)
+        self.buffers: list[torch.Tensor] = []
+        for b in model.buffers():
+            memo[id(b)] = fb = fake_like(b, dtype_of(b))
+            self.buffers.append(fb)
+        self.model = copy.deepcopy(model, memo)
+        self.model.train()
+
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for st in optimizer.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        memo[id(v)] = fake_like(v, v.dtype) if v.numel() != 1 else fake_scalar(v)
+            self.optimizer = copy.deepcopy(optimizer, memo)
+            self.optimizer.__dict__.pop("step", None)  # an LR scheduler's wrapper of the original's step
+        else:
+            self.optimizer = optimizer([p for p in self.params if p.requires_grad])
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise ConfigurationError(
+                    f"the optimizer factory returned {type(self.optimizer).__name__}, "
+                    "not a torch.optim.Optimizer."
+                )
+
+        def fake_input(t: torch.Tensor) -> torch.Tensor:
+            dtype = dtype_of(t)
+            fake = fake_like(t, dtype)
+            if dtype == t.dtype:
+                tracker.shadow(fake, t)
+            return fake
+
+        self.batch = map_tensors(fake_input, batch)
+        for p in self.params:
+            tracker.track(p, "parameters")
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda q: tracker.track(q.grad, "gradients"))
+        for b in self.buffers:
+            tracker.track(b, "other")
+
+    def optimizer_variants(self) -> dict[str, bool | None]:
+        groups = self.optimizer.param_groups
+        if all("foreach" in g and g.get("foreach") is None and not g.get("fused") for g in groups):
+            return {FOR_LOOP: False, FOREACH: True}
+        return {AS_SET: None}
+
+    def warm_up_optimizer(self) -> None:
+        """Create the optimizer state a steady-state step starts with."""
+        opt = self.optimizer
+        trainable = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        if trainable and all(p in opt.state and opt.state[p] for p in trainable):
+            return
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def fused_attention() -> Iterator[None]:
+    """Trace ``scaled_dot_product_attention`` as a fused (flash / memory-efficient) kernel.
+
+    On CUDA, PyTorch picks a fused SDPA kernel that keeps the output and a log-sum-exp per row
+    instead of the (batch, heads, seq, seq) attention matrix; CPU tracing would take the math path.
+    The CPU flash kernel has the same memory shape, so it stands in for the GPU's.
+    """
+    original = F.scaled_dot_product_attention
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        try:
+            if enable_gqa and key.shape[-3] != query.shape[-3]:
+                repeat = query.shape[-3] // key.shape[-3]
+                key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+            return fused(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        except Exception:  # shapes or dtypes the fused kernel refuses: the GPU would fall back too
+            return original(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )
+
+    F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def isolated_global_state() -> Iterator[None]:
+    """Trace in a training step's global state and give the caller back exactly the state it had.
+
+    A step needs autograd and sets its own autocast (``precision``), so the caller's ``no_grad``,
+    ``inference_mode`` and CPU autocast are switched off inside. The CPU RNG (never the CUDA one: that
+    would initialise CUDA), Python's and numpy's RNG, the default dtype, the deterministic-algorithms
+    and anomaly flags and the thread count are restored afterwards, also when the user's code changed
+    them or raised halfway. Called inside the caller's own autocast region, the step's autocast is a
+    nested region, whose cache of low-precision weight copies PyTorch only frees when the outermost
+    region ends: the estimate then keeps those copies to the end of the step (conservative).
+    """
+    numpy = sys.modules.get("numpy")
+    # autocast off by flag, not by a nested `torch.autocast(enabled=False)`: that would make the step's
+    # own autocast an inner region, whose weight-cast cache lives on until the outer region ends
+    cpu_autocast = torch.is_autocast_enabled("cpu")
+    saved = (
+        torch.get_default_dtype(),
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.is_anomaly_enabled(),
+        torch.is_anomaly_check_nan_enabled(),
+        random.getstate(),
+        numpy.random.get_state() if numpy is not None else None,
+    )
+    try:
+        torch.set_autocast_enabled("cpu", False)
+        with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+            yield
+    finally:
+        torch.set_autocast_enabled("cpu", cpu_autocast)
+        dtype, threads, deterministic, warn_only, anomaly, check_nan, py_rng, np_rng = saved
+        torch.set_default_dtype(dtype)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.set_anomaly_enabled(anomaly, check_nan)
+        random.setstate(py_rng)
+        if numpy is not None:
+            numpy.random.set_state(np_rng)

@@ -1,0 +1,202 @@
+"""What real kernels allocate beyond what their fake (meta) versions show.
+
+On fake tensors only an operator's declared outputs are seen. A few real CPU kernels do more: oneDNN
+convolutions reorder their inputs into blocked layouts, batch-norm backward keeps an input-sized
+buffer, oneDNN's LSTM returns a workspace whose meta kernel says it is empty, and the CPU
+flash-attention kernels allocate per-thread accumulators. For these
+operators the real kernel is *probed*: run once on real zero tensors of the same shapes (one
+operator's tensors, never the model's), its allocations read from torch.profiler's memory records,
+and the answer cached by shape. Probes are skipped above ``PROBE_BUDGET_BYTES``; then a rule of thumb
+measured on the same kernels stands in (scaled by the operator's tensor bytes).
+
+These CPU kernels also stand in for the target's kernels (cuDNN keeps comparable workspaces); the
+allocator model in :mod:`resource_guard.estimate.allocator` adds what only CUDA has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["KernelExtra", "kernel_extra", "PROBE_BUDGET_BYTES"]
+
+PROBE_BUDGET_BYTES = 512 * 2**20
+_aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class KernelExtra:
+    """``scratch_bytes`` freed inside the operator; ``output_bytes`` per flattened output tensor."""
+
+    scratch_bytes: int
+    output_bytes: tuple[int | None, ...] = ()
+
+
+# the CPU flash-attention kernels keep per-thread fp32 accumulators (measured: ~1.7x / ~5.7x q's
+# bytes for bf16 forward / backward at ViT-like shapes on 2 threads); probed for CPU targets only
+_CPU_FLASH = {
+    "_scaled_dot_product_flash_attention_for_cpu": 2.0,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": 6.0,
+}
+
+
+def _probed_ops() -> dict[Any, float]:
+    """Operators to probe, with the rule-of-thumb scratch (× the largest tensor) used above budget."""
+    ops: dict[Any, float] = {
+        _aten.convolution.default: 1.0,
+        _aten.convolution_backward.default: 2.0,
+        _aten.native_batch_norm_backward.default: 1.0,
+    }
+    for name, factor in (
+        ("mkldnn_rnn_layer", 16.0),
+        ("mkldnn_rnn_layer_backward", 16.0),
+        *_CPU_FLASH.items(),
+    ):
+        op = getattr(_aten, name, None)
+        if op is not None:
+            ops[op.default] = factor
+    return ops
+
+
+_PROBED = _probed_ops()
+_CPU_ONLY = {getattr(_aten, name).default for name in _CPU_FLASH if hasattr(_aten, name)}
+# oneDNN bf16/fp16 GEMMs on CPU pack operands into scratch: measured ~1.4x the largest operand
+_REDUCED_GEMM_FACTOR = 1.5
+
+
+def _bytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _signature(func: Any, args: tuple, kwargs: dict) -> tuple:
+    def key(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return ("T", tuple(a.shape), tuple(a.stride()), a.dtype, a.requires_grad)
+        return a
+
+    flat, spec = tree_flatten((args, kwargs))
+    return (func, str(spec), tuple(key(a) for a in flat))
+
+
+_CACHE: dict[tuple, KernelExtra] = {}
+
+
+def _probe(
+    func: Any, args: tuple, kwargs: dict, size_of: Callable[[torch.Tensor], int | None]
+) -> KernelExtra:
+    from resource_guard.estimate.measure import allocation_deltas, peak_of
+
+    def real(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        tracked = size_of(a)
+        if a.dim() == 1 and tracked is not None and tracked > _bytes_of(a):  # a workspace the fake kept empty
+            return torch.zeros(tracked // a.element_size(), dtype=a.dtype)
+        return torch.zeros_like(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cpu"))
+
+    with _disable_current_modes():
+        real_args, real_kwargs = tree_map(real, (args, kwargs))
+        inputs = {
+            id(t.untyped_storage())
+            for t in tree_flatten((real_args, real_kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as prof:
+            out = func(*real_args, **real_kwargs)
+        peak = peak_of(allocation_deltas(prof))
+        outputs: list[int | None] = []
+        kept = 0
+        seen: set[int] = set()
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            outputs.append(int(st.nbytes()))
+            if id(st) not in inputs and id(st) not in seen:
+                seen.add(id(st))
+                kept += int(st.nbytes())
+    return KernelExtra(max(0, peak - kept), tuple(outputs))
+
+
+def _blas_copy_bytes(func: Any, args: tuple) -> int:
+    """Bytes of the operands a BLAS matmul must first copy: neither row- nor column-major (e.g. expanded)."""
+    total = 0
+    operands = args[1:3] if func in (_aten.addmm.default, _aten.baddbmm.default) else args[:2]
+    for t in operands:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            continue
+        rows, cols = t.shape[-2], t.shape[-1]
+        s_row, s_col = t.stride()[-2], t.stride()[-1]
+        row_major = s_col == 1 and s_row >= max(1, cols)
+        col_major = s_row == 1 and s_col >= max(1, rows)
+        if not (row_major or col_major) and rows > 1 and cols > 1:
+            total += _bytes_of(t)
+    return total
+
+
+_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
+
+
+def kernel_extra(
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    out: Any,
+    size_of: Callable[[torch.Tensor], int | None],
+    *,
+    device_kind: str = "cpu",
+) -> KernelExtra | None:
+    """Scratch and true output sizes of the real kernel of ``func``, or ``None`` if it has none.
+
+    ``size_of`` tells the tracked storage size of an input (workspaces whose fake is empty).
+    ``device_kind`` is the target's: the CPU-only kernels (oneDNN's reduced-precision GEMMs, which
+    pack their operands into scratch, and the CPU flash attention) are probed only for CPU targets;
+    on CUDA, cuBLAS works in its workspace (see :mod:`resource_guard.estimate.allocator`).
+    """
+    cpu = device_kind == "cpu"
+    if func in _MATMULS:
+        copied = _blas_copy_bytes(func, args)
+        reduced = cpu and any(
+            isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) for t in args[:3]
+        )
+        if not reduced:
+            return KernelExtra(copied) if copied else None
+        extra = _probe_or_rule(func, args, kwargs, out, size_of, _REDUCED_GEMM_FACTOR)
+        return KernelExtra(max(extra.scratch_bytes, copied))
+    if func in _CPU_ONLY and not cpu:
+        return None
+    factor = _PROBED.get(func)
+    if factor is None:
+        return None
+    return _probe_or_rule(func, args, kwargs, out, size_of, factor)
+
+
+def _probe_or_rule(
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    out: Any,
+    size_of: Callable[[torch.Tensor], int | None],
+    factor: float,
+) -> KernelExtra:
+    """The probed extra of ``func`` (cached by signature), or ``factor`` × its largest tensor."""
+    tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+    largest = max((_bytes_of(t) for t in tensors), default=0)
+    if sum(_bytes_of(t) for t in tensors) * 2 > PROBE_BUDGET_BYTES:
+        return KernelExtra(int(largest * factor))
+    key = (_signature(func, args, kwargs), tuple(size_of(t) for t in tensors))
+    found = _CACHE.get(key)
+    if found is None:
+        try:
+            found = _probe(func, args, kwargs, size_of)
+        except Exception:  # a probe is a refinement; without it the rule of thumb stands
+            found = KernelExtra(int(largest * factor))
+        _CACHE[key] = found
+    return found

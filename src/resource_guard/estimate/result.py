@@ -1,0 +1,91 @@
+"""The result of an estimate: :class:`MemoryEstimate`, one steady-state training step's memory."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from resource_guard.devices import DeviceSpec
+from resource_guard.estimate.allocator import DeviceFit, device_fit
+
+__all__ = ["MemoryEstimate"]
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Memory of one steady-state training step.
+
+    Attributes:
+        peak_bytes: peak live tensor bytes in the step on the target device kind (what
+            ``torch.cuda.max_memory_allocated`` reports on a GPU, before allocator rounding).
+        breakdown: bytes by category at the peak (keys: ``CATEGORIES``).
+        method: ``"trace"`` or ``"analytic"`` (then ``warnings`` says why; the figure is conservative).
+        precision: the Lightning precision name the step was estimated under.
+        device_kind: the kind of device whose behaviour was assumed (``"cuda"``, ``"cpu"``, ...).
+        peak_phase: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"zero_grad"``.
+        peak_op: the operator at which the peak was reached.
+        batch_size: the batch's leading dimension, when it could be told.
+        parameter_count / trainable_parameter_count: distinct parameters (tied weights once).
+        persistent_bytes: bytes that stay between steps (parameters, buffers, optimizer state).
+        phase_peak_bytes: the peak of each phase, and of each optimizer code path traced.
+        warnings: what was assumed or could not be traced.
+        timeline: ``(phase, bytes by category)`` over the step, at most ~2000 points.
+        allocations: the step's allocation events ``(id, +bytes | -bytes)`` on the target's code path,
+            for the caching-allocator model of :meth:`for_device`; ``initial_allocations`` holds
+            ``(id, bytes)`` of the storages alive when the step began.
+        trace_seconds: time the estimate took.
+    """
+
+    peak_bytes: int
+    breakdown: Mapping[str, int]
+    method: str
+    precision: str
+    device_kind: str
+    peak_phase: str | None = None
+    peak_op: str | None = None
+    batch_size: int | None = None
+    parameter_count: int = 0
+    trainable_parameter_count: int = 0
+    persistent_bytes: int = 0
+    phase_peak_bytes: Mapping[str, int] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    timeline: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
+    allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+    initial_allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+    trace_seconds: float = 0.0
+
+    def for_device(
+        self, device: str | DeviceSpec = "auto", *, headroom: float = 0.1, catalog: Any = None
+    ) -> DeviceFit:
+        """What ``device`` would show for this step: allocator rounding, context, workspace, fit.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from resource_guard import estimate_memory
+            >>> est = estimate_memory(nn.Linear(4, 2), torch.optim.SGD, torch.randn(8, 4),
+            ...                       lambda m, b: m(b).sum())
+            >>> est.for_device("a100-40gb").fits
+            True
+        """
+        return device_fit(self, device, headroom=headroom, catalog=catalog)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (no timeline or allocation events)."""
+        return {
+            "peak_bytes": self.peak_bytes,
+            "breakdown": dict(self.breakdown),
+            "method": self.method,
+            "precision": self.precision,
+            "device_kind": self.device_kind,
+            "peak_phase": self.peak_phase,
+            "peak_op": self.peak_op,
+            "batch_size": self.batch_size,
+            "parameter_count": self.parameter_count,
+            "trainable_parameter_count": self.trainable_parameter_count,
+            "persistent_bytes": self.persistent_bytes,
+            "phase_peak_bytes": dict(self.phase_peak_bytes),
+            "warnings": list(self.warnings),
+            "trace_seconds": round(self.trace_seconds, 3),
+        }

@@ -1,0 +1,297 @@
+"""Live-storage accounting of one training step run on fake tensors.
+
+A :class:`StorageTracker` is a ``TorchDispatchMode`` that sits above a ``FakeTensorMode``. Every
+operator output's storage is registered with its byte size and a category; a weak-reference
+finalizer takes it off the books when the storage dies, exactly when the real storage would be freed
+(autograd, Python reference counting and the optimizer run as they would for real). After each
+operator the live total, plus the operator's known internal scratch space (``_kernels``), is compared
+with the running peak.
+
+Data-dependent operators are handled without real model-sized memory: values that derive only from
+the batch (attention masks, label counts) are computed for real on small "shadow" tensors; values
+that derive from the parameters are assumed (``.item()`` -> 0, ``nonzero`` -> every element), and
+each assumption is reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+)
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from resource_guard.step.batching import SHADOW_MAX_NUMEL
+
+__all__ = ["CATEGORIES", "PeakRecord", "SHADOW_MAX_NUMEL", "StorageTracker"]
+
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "inputs",
+    "other",
+)
+_PHASE_CATEGORY = {"forward": "activations", "backward": "temporaries", "optimizer": "temporaries"}
+_aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class PeakRecord:
+    """The highest point of one phase: live bytes, by category, and the operator that reached it."""
+
+    bytes: int
+    breakdown: dict[str, int]
+    phase: str
+    op: str
+    op_index: int
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # sparse, nested or other storage-less tensors
+        return None
+
+
+def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+            if isinstance(value, torch.Tensor):
+                written.append(value)
+            elif isinstance(value, (list, tuple)):
+                written.extend(v for v in value if isinstance(v, torch.Tensor))
+    return written
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts live storage bytes by category while a step runs on fake tensors.
+
+    Args:
+        kernel_extra: ``(func, args, kwargs, out, size_of) -> KernelExtra | None``: scratch memory the real
+            kernel allocates and frees inside the operator, and its true output sizes.
+        record_timeline: keep the live total by category after every operator.
+    """
+
+    def __init__(
+        self,
+        kernel_extra: Callable[..., Any] | None = None,
+        *,
+        record_timeline: bool = True,
+    ) -> None:
+        super().__init__()
+        self._kernel_extra = kernel_extra
+        self._live: dict[int, list[Any]] = {}  # id(storage) -> [nbytes, category, uid]
+        self._uids = itertools.count()
+        self.totals = dict.fromkeys(CATEGORIES, 0)
+        self.total = 0
+        self.phase = "setup"
+        self.recording = False
+        self.peaks: dict[str, PeakRecord] = {}
+        self.events: list[tuple[int, int]] = []  # (uid, +nbytes alloc | -nbytes free)
+        self.timeline: list[tuple[str, tuple[int, ...]]] = []
+        self.op_count = 0
+        self.assumptions: dict[str, int] = {}
+        self.shadows: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.record_timeline = record_timeline
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    def track(self, t: torch.Tensor, category: str | None = None, *, nbytes: int | None = None) -> None:
+        """Register ``t``'s storage (if new) under ``category`` (default: the phase's category).
+
+        ``nbytes`` overrides the storage's size where the real kernel's output is larger than the
+        fake one (see ``_kernels``).
+        """
+        st = _storage(t)
+        if st is None:
+            return
+        key = id(st)
+        entry = self._live.get(key)
+        if entry is not None:
+            if category is not None and entry[1] != category:
+                self.totals[entry[1]] -= entry[0]
+                self.totals[category] += entry[0]
+                entry[1] = category
+            return
+        nbytes = int(st.nbytes()) if nbytes is None else max(nbytes, int(st.nbytes()))
+        cat = category or _PHASE_CATEGORY.get(self.phase.split(":")[0], "other")
+        uid = next(self._uids)
+        self._live[key] = [nbytes, cat, uid]
+        self.totals[cat] += nbytes
+        self.total += nbytes
+        if self.recording:
+            self.events.append((uid, nbytes))
+        weakref.finalize(st, self._free, key, uid)
+
+    def live_storages(self) -> tuple[tuple[int, int], ...]:
+        """``(id, bytes)`` of every live tracked storage."""
+        return tuple((entry[2], entry[0]) for entry in self._live.values())
+
+    def size_of(self, t: torch.Tensor) -> int | None:
+        """The tracked byte size of ``t``'s storage, or ``None`` if it is not tracked."""
+        st = _storage(t)
+        entry = self._live.get(id(st)) if st is not None else None
+        return None if entry is None else int(entry[0])
+
+    def _free(self, key: int, uid: int) -> None:
+        entry = self._live.get(key)
+        if entry is None or entry[2] != uid:
+            return
+        del self._live[key]
+        self.totals[entry[1]] -= entry[0]
+        self.total -= entry[0]
+        if self.recording:
+            self.events.append((uid, -entry[0]))
+
+    def _resized(self, t: torch.Tensor) -> None:
+        st = _storage(t)
+        entry = self._live.get(id(st)) if st is not None else None
+        if entry is None or st is None:
+            return
+        delta = int(st.nbytes()) - entry[0]
+        if delta:
+            entry[0] += delta
+            self.totals[entry[1]] += delta
+            self.total += delta
+            if self.recording:
+                self.events.append((entry[2], delta))
+
+    def start_phase(self, phase: str) -> None:
+        self.phase = phase
+        self._observe(phase, "<start>", 0)
+
+    def _observe(self, key: str, op: str, scratch: int) -> None:
+        if not self.recording:
+            return
+        current = self.total + scratch
+        best = self.peaks.get(key)
+        if best is None or current > best.bytes:
+            breakdown = dict(self.totals)
+            breakdown["temporaries"] += scratch
+            self.peaks[key] = PeakRecord(current, breakdown, self.phase, op, self.op_count)
+        if self.record_timeline:
+            self.timeline.append((self.phase, tuple(self.totals.values())))
+
+    def detach(self) -> None:
+        """Stop reacting to storages that die after the trace."""
+        self.recording = False
+        self._live = {}
+
+    # -- shadows: real values of small batch-derived tensors ----------------------------------------
+    def _shadow_args(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return None
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        if not tensors or any(t not in self.shadows for t in tensors):
+            return None
+        mutable = func._schema.is_mutable
+
+        def real(a: Any) -> Any:
+            if isinstance(a, torch.Tensor):
+                shadow = self.shadows[a]
+                return shadow.clone() if mutable else shadow
+            return a
+
+        return tree_map(real, args), tree_map(real, kwargs)
+
+    def _run_shadow(self, func: Any, real_args: tuple, real_kwargs: dict) -> Any:
+        with _disable_current_modes():
+            return func(*real_args, **real_kwargs)
+
+    def _attach_shadows(
+        self, out: Any, real_out: Any, func: Any, args: tuple, kwargs: dict, real: Any
+    ) -> None:
+        fakes, _ = tree_flatten(out)
+        reals, _ = tree_flatten(real_out)
+        for f, r in zip(fakes, reals):
+            if isinstance(f, torch.Tensor) and isinstance(r, torch.Tensor) and r.numel() <= SHADOW_MAX_NUMEL:
+                self.shadows[f] = r
+        if func._schema.is_mutable:
+            fake_w = _written_args(func, args, kwargs)
+            real_w = _written_args(func, *real)
+            for f, r in zip(fake_w, real_w):
+                self.shadows[f] = r
+
+    def shadow(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """Declare ``real`` the value of ``fake`` (used for the batch)."""
+        if real.numel() <= SHADOW_MAX_NUMEL and real.device.type == "cpu" and not real.is_meta:
+            self.shadows[fake] = real
+
+    # -- data-dependent operators without a shadow ----------------------------------------------
+    def _assume(self, func: Any, args: tuple, kwargs: dict, exc: Exception) -> Any:
+        name = str(func.overloadpacket.__name__)
+        self.assumptions[name] = self.assumptions.get(name, 0) + 1
+        if func is _aten._local_scalar_dense.default:
+            dtype = args[0].dtype
+            return False if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
+        if func is _aten.nonzero.default:
+            x = args[0]
+            return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        if func is _aten.masked_select.default:
+            x, mask = args[0], args[1]
+            n = torch.broadcast_shapes(x.shape, mask.shape).numel()
+            return torch.empty((n,), dtype=x.dtype, device=x.device)
+        raise exc
+
+    # -- the mode ---------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        real = self._shadow_args(func, args, kwargs) if self.shadows else None
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            if real is None:
+                out = self._assume(func, args, kwargs, exc)
+            else:
+                real_out = self._run_shadow(func, *real)
+                if not isinstance(real_out, torch.Tensor):
+                    return real_out
+                out = torch.empty_strided(
+                    real_out.shape, real_out.stride(), dtype=real_out.dtype, device=args[0].device
+                )
+                self.shadows[out] = real_out
+                real = None
+        if real is not None:
+            # a shadow is a nicety: the fake result stands on its own
+            with contextlib.suppress(Exception):
+                self._attach_shadows(out, self._run_shadow(func, *real), func, args, kwargs, real)
+        return self._after(func, args, kwargs, out)
+
+    def _after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        extra = (
+            self._kernel_extra(func, args, kwargs, out, self.size_of)
+            if self._kernel_extra is not None
+            else None
+        )
+        sizes = extra.output_bytes if extra is not None else ()
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        for i, t in enumerate(outputs):
+            if isinstance(t, FakeTensor):
+                self.track(t, nbytes=sizes[i] if i < len(sizes) else None)
+        if func._schema.is_mutable:
+            for t in _written_args(func, args, kwargs):
+                self._resized(t)
+        self.op_count += 1
+        scratch = extra.scratch_bytes if extra is not None else 0
+        if scratch and self.recording:
+            uid = next(self._uids)
+            self.events.append((uid, scratch))
+            self.events.append((uid, -scratch))
+        self._observe(self.phase, str(func), scratch)
+        return out

@@ -1,0 +1,486 @@
+"""The plain-PyTorch front door: ``with guard(model, optimizer) as g: ...``.
+
+On enter the guard plans the run (device, precision, activation checkpointing, micro-batch and
+gradient accumulation) from a sample batch — or, lazily, from the first batch of
+:meth:`Guard.iterate` — and fails fast with :class:`~resource_guard.errors.DoesNotFitError` before any
+step when nothing fits. It then moves the model and the optimizer state to the device, applies
+checkpointing, and keeps a GradScaler for ``16-mixed``. In the loop, :meth:`Guard.iterate` moves
+batches to the device, times the data wait and yields micro-batches; :meth:`Guard.autocast` is the
+precision's autocast; :meth:`Guard.backward` scales the loss for accumulation (and loss scaling) and
+steps and zeroes the optimizer when an effective batch is complete. On exit — also on an exception or
+``KeyboardInterrupt`` — it stops what it started, writes what it measured next to the estimate into
+the log dir, and lets the user's exception through unchanged. When that exception is an
+out-of-memory error (``torch.OutOfMemoryError``, by type), the monitor also writes the last memory
+figures into ``oom.json`` and the report (finding ``oom``), and on CUDA with ``memory_history=True`` a
+memory snapshot for https://pytorch.org/memory_viz (see :mod:`resource_guard.observe.oom`).
+
+Example:
+    >>> import torch
+    >>> from resource_guard import guard
+    >>> model = torch.nn.Linear(8, 1)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> data = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(2)]
+    >>> with guard(model, optimizer, device="cpu", monitor=False) as g:
+    ...     for x, y in g.iterate(data):
+    ...         with g.autocast():
+    ...             loss = torch.nn.functional.mse_loss(model(x), y)
+    ...         g.backward(loss)
+    >>> g.optimizer_steps
+    2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.observe.oom import is_oom
+from resource_guard.step.batching import split_batch
+from resource_guard.step.precision import autocast_context, parse_precision
+from resource_guard.step.training import LossFn, batch_size_of, map_tensors
+
+if TYPE_CHECKING:
+    from resource_guard.devices import DeviceSpec
+    from resource_guard.planning.planner import Plan
+
+__all__ = ["Guard", "check_log_dir", "guard", "torch_device_of"]
+
+
+def torch_device_of(spec: DeviceSpec) -> torch.device:
+    """The torch device a (detected) :class:`DeviceSpec` names.
+
+    Raises:
+        ConfigurationError: ``spec`` is a catalog device that is not on this machine.
+    """
+    if spec.kind == "cpu":
+        return torch.device("cpu")
+    if spec.kind == "mps":
+        return torch.device("mps")
+    if spec.source == "detected" and spec.index is not None:
+        return torch.device("cuda", spec.index)
+    raise ConfigurationError(
+        f"device {spec.name!r} is a catalog entry, not a device on this machine: training needs a real "
+        "device. Use device='auto' (or 'cuda:N' / 'cpu'), with `memory_limit=` to plan under a cap; use "
+        "`plan(..., device=...)` or `resource-guard preflight --device` for what-if questions."
+    )
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            # Adam's `step` stays on the CPU unless capturable/fused: leave scalars where they are
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
+                state[key] = value.to(device)
+
+
+class Guard:
+    """The context manager returned by :func:`guard`; see the module docstring.
+
+    Attributes:
+        plan: the :class:`~resource_guard.Plan` once made (``None`` before the first batch when
+            no ``sample_batch`` was given).
+        device: the torch device the run uses (``None`` until planned).
+        optimizer_steps: optimizer steps taken (skipped GradScaler steps included).
+        micro_steps: micro-batches processed.
+        report: the monitor's report after exit (``None`` when monitoring is off).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        sample_batch: Any = None,
+        loss_fn: LossFn | None = None,
+        target_batch_size: int | None = None,
+        device: str | DeviceSpec = "auto",
+        precision: str = "auto",
+        checkpointing: bool | str = "auto",
+        memory_limit: int | str | None = None,
+        headroom: float = 0.1,
+        log_dir: str | os.PathLike[str] | None = None,
+        clip_grad_norm: float | None = None,
+        monitor: bool = True,
+        profile: Any = True,
+        catalog: Any = None,
+        memory_history: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigurationError(
+                f"`guard(model=...)` must be a torch.nn.Module, got {type(model).__name__}."
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigurationError(
+                f"`guard(optimizer=...)` must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
+            )
+        from resource_guard.devices import parse_memory_limit
+        from resource_guard.planning.planner import _check_args
+
+        _check_args(headroom, target_batch_size, 1, "auto", checkpointing, call="guard")
+        if memory_limit is not None:
+            parse_memory_limit(memory_limit, "guard")
+        catalog = _check_device_and_catalog(device, catalog)
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ConfigurationError(f"`guard(clip_grad_norm={clip_grad_norm!r})` must be > 0 or None.")
+        if not isinstance(memory_history, bool):
+            raise ConfigurationError(f"`guard(memory_history={memory_history!r})` must be True or False.")
+        if precision != "auto":
+            parse_precision(precision)  # an unknown name fails here, before anything else
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self._sample_batch = sample_batch
+        self._target = target_batch_size
+        self._plan_kwargs: dict[str, Any] = {
+            "device": device,
+            "precision": precision,
+            "checkpointing": checkpointing,
+            "memory_limit": memory_limit,
+            "headroom": headroom,
+            "catalog": catalog,
+        }
+        self._log_dir = Path(log_dir) if log_dir is not None else None
+        self._clip = clip_grad_norm
+        self._monitor_on, self._profile, self._history = monitor, profile, memory_history
+        self._flops_per_sample: float | None = None
+        self.plan: Plan | None = None
+        self.device: torch.device | None = None
+        self.optimizer_steps = 0
+        self.micro_steps = 0
+        self.report: Any = None
+        self._monitor: Any = None
+        self._scaler: torch.amp.GradScaler | None = None
+        self._ckpt: Any = None
+        self._entered = False
+        self._pending = 0  # samples accumulated since the last optimizer step
+        self._current_micro = 0  # size of the micro-batch being processed
+        self._started = 0.0
+
+    # ------------------------------------------------------------------------------------------------
+    # context manager
+
+    def __enter__(self) -> Guard:
+        if self._entered:
+            raise ConfigurationError("this guard is already in use; create a new `guard(...)` per run.")
+        self._entered = True
+        self._started = time.perf_counter()
+        if self._log_dir is not None:
+            check_log_dir(self._log_dir)
+        if self._sample_batch is not None:
+            self._setup(self._sample_batch)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self._teardown(exc)
+        except Exception as error:  # our own clean-up never replaces the user's exception
+            warnings.warn(f"resource_guard: clean-up failed: {error!r}", ResourceGuardWarning, stacklevel=2)
+        # returning None lets the user's exception (if any) through unchanged
+
+    # ------------------------------------------------------------------------------------------------
+    # set-up
+
+    def _setup(self, batch: Any) -> None:
+        from resource_guard.planning.planner import plan
+
+        target = self._target if self._target is not None else batch_size_of(batch)
+        if target is None:
+            raise ConfigurationError(
+                "cannot tell the batch size of the sample batch (its tensors do not share dim 0); pass "
+                "`target_batch_size=`."
+            )
+        self._target = target
+        made = plan(
+            self.model,
+            self.optimizer,
+            batch,
+            self.loss_fn,
+            target_batch_size=target,
+            **self._plan_kwargs,
+        )
+        device = torch_device_of(made.device)
+        self.plan, self.device = made, device
+        if self._monitor_on:  # model FLOPs, before checkpointing adds its recomputation
+            self._flops_per_sample = _flops_per_sample(self.model, batch, self.loss_fn)
+        self.model.to(device)
+        _move_optimizer_state(self.optimizer, device)
+        if made.checkpointing:
+            from resource_guard.planning.checkpointing import apply_checkpointing
+
+            self._ckpt = apply_checkpointing(self.model)
+        spec = parse_precision(made.precision)
+        if spec.param_dtype != torch.float32:
+            self.model.to(spec.param_dtype)
+        if spec.loss_scaling:
+            self._scaler = torch.amp.GradScaler(device.type)
+        if self._monitor_on:
+            self._start_monitor(batch)
+
+    def _start_monitor(self, batch: Any) -> None:
+        try:
+            from resource_guard.observe.monitor import RunMonitor
+
+            plan = self.plan
+            assert plan is not None
+            self._monitor = RunMonitor(
+                self._log_dir,
+                device=self.device or "cpu",
+                estimate=plan.estimate,
+                capacity_bytes=_monitor_capacity(plan, self.device),
+                device_spec=plan.device,
+                profile=self._profile,
+                precision=plan.precision,
+                memory_history=self._history,
+            )
+            self._monitor.start()
+        except ConfigurationError:
+            raise
+        except Exception as error:
+            warnings.warn(
+                f"resource_guard: monitoring is off for this run: {error!r}",
+                ResourceGuardWarning,
+                stacklevel=3,
+            )
+            self._monitor = None
+
+    # ------------------------------------------------------------------------------------------------
+    # the loop
+
+    def iterate(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Yield the loader's batches as device-resident micro-batches of the planned size.
+
+        The first batch plans the run when no ``sample_batch`` was given. The time spent waiting for
+        each batch is measured; batches from a loader with ``pin_memory=True`` are copied with
+        ``non_blocking=True``. At the end, a partial effective batch (fewer samples than the target)
+        still takes an optimizer step, with its gradients rescaled to that batch's mean.
+        """
+        if not self._entered:
+            raise ConfigurationError("call `g.iterate(...)` inside `with guard(...) as g:`.")
+        non_blocking = bool(getattr(loader, "pin_memory", False))
+        for batch in loader:
+            if self.plan is None:
+                self._setup(batch)
+            if self._flops_per_sample is not None and self._monitor is not None:
+                # the monitor's step is one loader batch: MFU from the FLOPs of that many samples
+                self._monitor.flops_per_step = self._flops_per_sample * (batch_size_of(batch) or 1)
+                self._flops_per_sample = None
+            self._call_monitor("batch_ready", batch)
+            device = self.device
+            assert device is not None and self.plan is not None
+            moved = _to_device(batch, device, non_blocking)
+            for micro in split_batch(moved, self.plan.micro_batch_size):
+                self._current_micro = batch_size_of(micro) or 1
+                yield micro
+                self.micro_steps += 1
+            self._call_monitor("step_end")
+        if self._pending:
+            self._finish_partial_step()
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Autocast for the planned precision on the planned device (a no-op for ``*-true``)."""
+        if self.plan is None or self.device is None:
+            raise ConfigurationError("`g.autocast()` is only valid once the run is planned (inside iterate).")
+        return autocast_context(parse_precision(self.plan.precision), self.device.type)
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """Backward of a micro-batch's mean loss; steps the optimizer when the effective batch is done.
+
+        The loss is weighted by ``micro-batch size / target batch size`` so the accumulated gradient is
+        that of the mean over the effective batch. Returns True when an optimizer step was taken.
+        """
+        if self.plan is None or self._target is None:
+            raise ConfigurationError("`g.backward(loss)` must follow a batch from `g.iterate(loader)`.")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ConfigurationError(f"`g.backward(loss)` needs a scalar loss tensor, got {shape}.")
+        size = self._current_micro or 1
+        scaled = loss * (size / self._target)
+        if self._scaler is not None:
+            scaled = self._scaler.scale(scaled)
+        scaled.backward()
+        self._pending += size
+        if self._pending >= self._target:
+            self._optimizer_step()
+            return True
+        return False
+
+    def _finish_partial_step(self) -> None:
+        assert self._target is not None
+        factor = self._target / self._pending
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+        self._optimizer_step()
+
+    def _optimizer_step(self) -> None:
+        if self._scaler is not None:
+            if self._clip is not None:
+                self._scaler.unscale_(self.optimizer)
+                self._clip_grads()
+            self._scaler.step(self.optimizer)
+            self._scaler.update()
+        else:
+            if self._clip is not None:
+                self._clip_grads()
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pending = 0
+        self.optimizer_steps += 1
+
+    def _clip_grads(self) -> None:
+        assert self._clip is not None
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        torch.nn.utils.clip_grad_norm_(params, self._clip)
+
+    def _call_monitor(self, name: str, *args: Any) -> None:
+        if self._monitor is None:
+            return
+        try:
+            getattr(self._monitor, name)(*args)
+        except Exception as error:  # a failure in our monitoring never stops training
+            warnings.warn(
+                f"resource_guard: monitoring stopped: {error!r}", ResourceGuardWarning, stacklevel=3
+            )
+            self._monitor = None
+
+    # ------------------------------------------------------------------------------------------------
+    # tear-down
+
+    def _teardown(self, exc: BaseException | None) -> None:
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            try:
+                self.report = monitor.close(exc)
+            except Exception as error:
+                warnings.warn(
+                    f"resource_guard: monitor close failed: {error!r}", ResourceGuardWarning, stacklevel=3
+                )
+        if self._ckpt is not None:
+            self._ckpt.remove()
+            self._ckpt = None
+        if self._log_dir is not None and self.plan is not None:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+            (self._log_dir / "guard.json").write_text(json.dumps(self.summary(exc), indent=2, default=str))
+
+    def summary(self, exc: BaseException | None = None) -> dict[str, Any]:
+        """What was planned and what was measured (peak memory where the device reports it)."""
+        plan = self.plan
+        measured = _measured_peak_bytes(self.device)
+        out: dict[str, Any] = {
+            "optimizer_steps": self.optimizer_steps,
+            "micro_steps": self.micro_steps,
+            "wall_s": time.perf_counter() - self._started,
+            "outcome": "ok" if exc is None else type(exc).__name__,
+            "oom": is_oom(exc),
+            "measured_peak_bytes": measured,
+        }
+        if plan is not None:
+            out["plan"] = plan.to_dict()
+            out["estimated_peak_bytes"] = plan.fit.allocated_peak_bytes
+            if measured is not None and plan.fit.allocated_peak_bytes:
+                out["estimate_error"] = plan.fit.allocated_peak_bytes / measured - 1
+        return out
+
+
+def _check_device_and_catalog(device: Any, catalog: Any) -> Any:
+    """Refuse a device name that is neither local-looking nor in the catalog, without probing hardware.
+
+    Returns the catalog loaded from a path (or as given). Whether a local device exists is checked at
+    enter, where probing the hardware belongs.
+    """
+    import re
+
+    from resource_guard.devices import Catalog, DeviceSpec, load_catalog
+
+    if catalog is not None and not isinstance(catalog, Catalog):
+        if not isinstance(catalog, (str, os.PathLike)):
+            raise ConfigurationError(
+                f"`guard(catalog={catalog!r})` must be a path to a YAML device catalog or a Catalog."
+            )
+        catalog = load_catalog(catalog)  # a missing or malformed file fails here, with the reason
+    if isinstance(device, DeviceSpec):
+        return catalog
+    if not isinstance(device, str):
+        raise ConfigurationError(f"`guard(device={device!r})` must be a device name or a DeviceSpec.")
+    name = device.strip().lower()
+    if name in ("auto", "cpu", "mps") or re.fullmatch(r"cuda(:\d+)?", name):
+        return catalog
+    known = catalog if catalog is not None else load_catalog()
+    try:
+        known.get(device)
+    except ConfigurationError as error:
+        raise ConfigurationError(
+            f"`guard(device={device!r})`: {error} Local devices: 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'."
+        ) from None
+    return catalog
+
+
+def _flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> float | None:
+    """FLOPs of forward + backward per sample, counted on fake tensors (for MFU); None if unknown.
+
+    Counted only with an explicit ``loss_fn``: the loop's own loss is not visible to the guard.
+    """
+    from resource_guard.observe.throughput import count_flops
+
+    size = batch_size_of(batch)
+    if loss_fn is None or not size:
+        return None
+    flops = count_flops(model, batch, loss_fn)
+    return flops / size if flops else None
+
+
+def _monitor_capacity(plan: Plan, device: torch.device | None) -> int:
+    """The capacity the run's measured peak is compared with.
+
+    On the CPU the monitor measures the process's RSS, interpreter and libraries included, so a
+    ``memory_limit`` (which caps tensor bytes) is no fair yardstick for it: the host's RAM is.
+    """
+    if device is not None and device.type == "cpu":
+        from resource_guard.devices import resolve_device
+
+        return resolve_device("cpu").memory_bytes
+    return plan.fit.capacity_bytes
+
+
+def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
+    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
+
+
+def _measured_peak_bytes(device: torch.device | None) -> int | None:
+    if device is not None and device.type == "cuda":
+        try:
+            return int(torch.cuda.max_memory_allocated(device))
+        except Exception:
+            return None
+    return None
+
+
+def check_log_dir(path: str | os.PathLike[str], call: str = "guard") -> None:
+    """Make ``path`` (and parents) and prove it writable, or raise a ConfigurationError naming ``call``."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".resource_guard_write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigurationError(
+            f"`{call}(log_dir={str(path)!r})` is not writable ({error.strerror or error}); pick another "
+            "directory."
+        ) from None
+
+
+def guard(model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Guard:
+    """Plan and run a plain-PyTorch training loop; see :class:`Guard` for the arguments."""
+    return Guard(model, optimizer, **kwargs)

@@ -1,0 +1,447 @@
+"""Helpers of the Lightning callback: what the user fixed, one real batch, the cross-rank agreement,
+and applying a plan to a Trainer the way a user would configure it by hand (and undoing it).
+
+Everything here that touches a private attribute of Lightning lives in the "Lightning internals"
+section below, one small function per attribute, each named in ``LIGHTNING_INTERNALS`` so that
+``tests/test_lightning_callback.py::test_lightning_internals_are_where_we_expect`` fails loudly when a
+Lightning release moves one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pickle
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.seed import isolate_rng
+from torch.utils.data import DataLoader
+
+from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardError
+from resource_guard.step.precision import PRECISIONS, parse_precision
+from resource_guard.step.training import batch_size_of
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = [
+    "LIGHTNING_INTERNALS",
+    "Applied",
+    "Decisions",
+    "Fixed",
+    "Outcome",
+    "agree",
+    "apply_decisions",
+    "detached_trainer",
+    "first_batch",
+    "fixed_settings",
+    "loader_info",
+    "training_step_loss",
+]
+
+BATCH_ATTR = "batch_size"
+_PRECISION_NAMES = tuple(PRECISIONS)
+_LOG_WARNING = r"You are trying to `self\.log\(\)`"
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """What the callback configured; stored in the checkpoint so a resumed run keeps it.
+
+    ``micro_batch_size × accumulation_steps × world_size == target_batch_size``.
+    """
+
+    micro_batch_size: int
+    accumulation_steps: int
+    precision: str
+    checkpointing: bool
+    target_batch_size: int
+    world_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Decisions:
+        """Rebuild from :meth:`to_dict`; a malformed entry raises ``ConfigurationError``."""
+        try:
+            made = cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+            ints = (made.micro_batch_size, made.accumulation_steps, made.target_batch_size, made.world_size)
+            ok = all(isinstance(v, int) and v >= 1 for v in ints) and isinstance(made.checkpointing, bool)
+            parse_precision(made.precision)
+        except (KeyError, TypeError, ConfigurationError) as error:
+            raise ConfigurationError(
+                f"the checkpoint's ResourceGuard state {dict(data)!r} is malformed ({error!r}); resume "
+                "without the callback's state (drop `callbacks['ResourceGuard']` from the checkpoint)."
+            ) from None
+        if not ok:
+            raise ConfigurationError(f"the checkpoint's ResourceGuard state {dict(data)!r} is malformed.")
+        return made
+
+
+# ---------------------------------------------------------------------------------------------------
+# Lightning internals. Each function below reads or writes one private attribute of Lightning 2.x
+# because no public hook does the job; nothing else in resource_guard touches Lightning privates.
+
+
+def data_from_module(trainer: pl.Trainer) -> bool:
+    """Whether the train dataloader comes from the LightningModule/DataModule (so it can be rebuilt with
+    a new ``batch_size``) rather than being passed to ``fit`` directly. Private: ``fit_loop._data_source``
+    (BatchSizeFinder makes the same check)."""
+    return bool(trainer.fit_loop._data_source.is_module())
+
+
+def drop_train_dataloader(trainer: pl.Trainer) -> None:
+    """Forget the fit loop's train dataloader so ``fit_loop.setup_data()`` asks the module/datamodule for
+    it again. Private: ``fit_loop._combined_loader`` (what the batch-size tuner resets)."""
+    loop = trainer.fit_loop
+    if not hasattr(loop, "_combined_loader"):
+        raise ResourceGuardError(
+            "this Lightning version has no `fit_loop._combined_loader`; resource_guard cannot rebuild the "
+            "train dataloader. Please report it with your Lightning version."
+        )
+    loop._combined_loader = None
+
+
+def before_batch_transfer(pl_module: pl.LightningModule, batch: Any) -> Any:
+    """``on_before_batch_transfer`` of the module and datamodule, as the training loop calls it.
+    Private: ``LightningModule._on_before_batch_transfer``."""
+    return pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
+
+
+LIGHTNING_INTERNALS = {
+    "data_from_module": "Trainer.fit_loop._data_source.is_module()",
+    "drop_train_dataloader": "Trainer.fit_loop._combined_loader",
+    "before_batch_transfer": "LightningModule._on_before_batch_transfer",
+}
+
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Settings the user fixed explicitly, and where (for the messages)."""
+
+    accumulation: int | None = None
+    accumulation_source: str = ""
+    precision: str | None = None
+    precision_source: str = ""
+
+
+def trainer_precision_is_default(trainer: pl.Trainer) -> bool:
+    """True when the Trainer runs Lightning's default 32-true plugin (``Trainer(precision=None)``).
+
+    ``Trainer(precision="32-true")`` cannot be told apart from the default: pin it with
+    ``ResourceGuard(precision="32-true")``.
+    """
+    return type(trainer.precision_plugin) is Precision and trainer.precision == "32-true"
+
+
+def fixed_settings(trainer: pl.Trainer, precision: str, accumulation: int | str) -> Fixed:
+    """What the user fixed, from the Trainer and the callback's own arguments; conflicts are refused."""
+    acc: int | None = None
+    acc_source = ""
+    trainer_acc = int(trainer.accumulate_grad_batches)
+    if isinstance(accumulation, int):
+        if trainer_acc not in (1, accumulation):
+            raise ConfigurationError(
+                f"`ResourceGuard(accumulation={accumulation})` conflicts with "
+                f"`Trainer(accumulate_grad_batches={trainer_acc})`: either remove `accumulate_grad_batches` "
+                "from the Trainer or the `accumulation` argument from the callback."
+            )
+        acc, acc_source = accumulation, f"ResourceGuard(accumulation={accumulation})"
+    elif trainer_acc != 1:
+        acc, acc_source = trainer_acc, f"Trainer(accumulate_grad_batches={trainer_acc})"
+    prec: str | None = None
+    prec_source = ""
+    trainer_default = trainer_precision_is_default(trainer)
+    if precision != "auto":
+        if not trainer_default and trainer.precision != precision:
+            raise ConfigurationError(
+                f"`ResourceGuard(precision={precision!r})` conflicts with the Trainer's precision "
+                f"{trainer.precision!r}: set the precision in one place only."
+            )
+        if parse_precision(precision).param_dtype != torch.float32 and trainer.precision != precision:
+            raise ConfigurationError(
+                f"`ResourceGuard(precision={precision!r})` would change the parameters' dtype after the "
+                f"strategy has set the model up; pass `Trainer(precision={precision!r})` instead."
+            )
+        prec, prec_source = precision, f"ResourceGuard(precision={precision!r})"
+    elif not trainer_default:
+        name = str(trainer.precision)
+        if name not in PRECISIONS:
+            raise ConfigurationError(
+                f"the Trainer's precision {name!r} is not one resource_guard can estimate "
+                f"({', '.join(PRECISIONS)}); remove the ResourceGuard callback or use one of those."
+            )
+        prec, prec_source = name, f"Trainer(precision={name!r})"
+    return Fixed(acc, acc_source, prec, prec_source)
+
+
+def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Any, int | None] | None:
+    """One real batch from the train dataloader, moved to the device the way the training loop moves it,
+    and the loader's batch size; ``None`` when there is no train dataloader (``limit_train_batches=0``).
+
+    The global RNG state is left as it was (a shuffling sampler draws its seed from it), and the fit
+    loop's own loader is dropped afterwards so training starts on a fresh iterator.
+    """
+    with isolate_rng(include_cuda=False):  # loaders seed from the CPU generator; no CUDA context
+        trainer.fit_loop.setup_data()
+        loader = trainer.train_dataloader
+        if loader is None:
+            return None
+        try:
+            if isinstance(loader, DataLoader):
+                batch = next(iter(loader))
+                size = loader.batch_size
+            else:  # several train loaders: the batch is what the loop would yield
+                from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+                combined = CombinedLoader(loader, "max_size_cycle")
+                batch = next(iter(combined))[0]
+                size = None
+        except StopIteration:
+            raise ConfigurationError(
+                "the train dataloader is empty: ResourceGuard needs one batch to plan the run."
+            ) from None
+        finally:
+            drop_train_dataloader(trainer)
+        batch = before_batch_transfer(pl_module, batch)
+        batch = trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+    return batch, batch_size_of(batch) or size
+
+
+def loader_info(trainer: pl.Trainer) -> dict[str, Any]:
+    """num_workers / pin_memory / persistent_workers / prefetch_factor of the train DataLoader."""
+    loader = trainer.train_dataloader
+    if not isinstance(loader, DataLoader):
+        return {}
+    keys = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+    return {k: getattr(loader, k, None) for k in keys}
+
+
+@contextlib.contextmanager
+def detached_trainer(pl_module: pl.LightningModule) -> Iterator[None]:
+    """Detach the module (and its child LightningModules) from the Trainer while it is estimated.
+
+    The estimator deep-copies the module onto fake tensors; with the Trainer attached the copy would
+    take the Trainer along. Detached, ``self.log`` in ``training_step`` only warns, and that warning is
+    silenced here.
+    """
+    trainer = pl_module._trainer
+    pl_module.trainer = None  # type: ignore[assignment]  # the public setter, recursing into children
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_LOG_WARNING)
+            yield
+    finally:
+        pl_module.trainer = trainer  # type: ignore[assignment]
+
+
+def training_step_loss(module: Any, batch: Any) -> Any:
+    """The loss function the estimator traces: the module's own ``training_step`` on the batch."""
+    out = module.training_step(batch, 0)
+    if out is None:
+        raise ConfigurationError(
+            "`training_step` returned None on the first batch (a skipped step): ResourceGuard needs the "
+            "loss. Return the loss tensor, or a dict with a 'loss' key."
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# agreement across ranks
+
+_OK, _DOES_NOT_FIT, _CONFIG, _OTHER = 0, 1, 2, 3
+_ROW = 6  # code, micro, accumulation, checkpointing, precision index, target
+
+
+@dataclass
+class Outcome:
+    """One rank's pre-flight result: decisions, or the error that stopped it."""
+
+    decisions: Decisions | None = None
+    error: BaseException | None = None
+
+
+def _code(error: BaseException | None) -> int:
+    if error is None:
+        return _OK
+    if isinstance(error, DoesNotFitError):
+        return _DOES_NOT_FIT
+    if isinstance(error, ConfigurationError):
+        return _CONFIG
+    return _OTHER
+
+
+def agree(trainer: pl.Trainer, local: Outcome) -> tuple[Decisions | None, BaseException | None, int]:
+    """Agree on one configuration across ranks (a collective; every rank must call it).
+
+    The most conservative plan wins: the smallest micro-batch (then checkpointing on, then the lowest
+    rank). If any rank failed, every rank gets the same error, built from the lowest failing rank's
+    message (and report). Returns ``(decisions, error, rank_the_result_came_from)``.
+    """
+    d = local.decisions
+    code = _code(local.error) if local.error is not None or d is not None else _OTHER
+    row = [code, 0, 0, 0, 0, 0]
+    if d is not None and code == _OK:
+        row = [
+            _OK,
+            d.micro_batch_size,
+            d.accumulation_steps,
+            int(d.checkpointing),
+            _PRECISION_NAMES.index(d.precision),
+            d.target_batch_size,
+        ]
+    strategy = trainer.strategy
+    tensor = torch.tensor(row, dtype=torch.int64, device=strategy.root_device)
+    rows = strategy.all_gather(tensor).reshape(-1, _ROW).cpu().tolist()
+    failing = [r for r, values in enumerate(rows) if values[0] != _OK]
+    world = len(rows)
+    if failing and world == 1 and local.error is not None:
+        return None, local.error, 0  # one process: the error as raised, with its own traceback
+    if failing:
+        src = failing[0]
+        payload: bytes | None = None
+        if trainer.global_rank == src:
+            error = local.error or ResourceGuardError("pre-flight produced no plan")
+            report = getattr(error, "report", None)
+            try:
+                payload = pickle.dumps((str(error), report))
+            except Exception:  # an unpicklable report: the message alone
+                payload = pickle.dumps((str(error), None))
+        payload = strategy.broadcast(payload, src=src)
+        message, report = pickle.loads(payload) if payload is not None else ("pre-flight failed", None)
+        if world > 1:
+            message = f"pre-flight failed on rank {src} (every rank stops): {message}"
+        kind = rows[src][0]
+        shared: BaseException
+        if kind == _DOES_NOT_FIT:
+            shared = DoesNotFitError(message, report)
+        elif kind == _CONFIG:
+            shared = ConfigurationError(message)
+        else:
+            shared = ResourceGuardError(message)
+        if trainer.global_rank == src and local.error is not None:
+            shared.__cause__ = local.error
+        return None, shared, src
+    best = min(range(world), key=lambda r: (rows[r][1], -rows[r][3], r))
+    _, micro, acc, ckpt, prec, target = rows[best]
+    assert d is not None  # every rank is OK here, this one included
+    chosen = Decisions(
+        int(micro), int(acc), _PRECISION_NAMES[int(prec)], bool(ckpt), int(target), d.world_size
+    )
+    return chosen, None, best
+
+
+# ---------------------------------------------------------------------------------------------------
+# applying, and undoing
+
+
+class Applied:
+    """What :func:`apply_decisions` changed, so :meth:`restore` can put it back (idempotent)."""
+
+    def __init__(self) -> None:
+        self.batch_size: Any = None
+        self.batch_size_changed = False
+        self.accumulation: int | None = None
+        self.precision_plugin: Precision | None = None
+        self.checkpoint_handle: Any = None
+
+    def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put the Trainer, module and datamodule back as they were before the plan was applied."""
+        handle, self.checkpoint_handle = self.checkpoint_handle, None
+        if handle is not None:
+            handle.remove()
+        if self.batch_size_changed:
+            self.batch_size_changed = False
+            lightning_setattr(pl_module, BATCH_ATTR, self.batch_size)
+        if self.accumulation is not None:
+            trainer.accumulate_grad_batches, self.accumulation = self.accumulation, None
+        if self.precision_plugin is not None:
+            trainer.strategy.precision_plugin, self.precision_plugin = self.precision_plugin, None
+
+
+def precision_plugin_for(name: str, device_type: str) -> Precision:
+    """Lightning's public precision plugin for a precision name."""
+    if name in ("16-mixed", "bf16-mixed"):
+        return MixedPrecision(name, device_type)  # type: ignore[arg-type]
+    if name in ("16-true", "bf16-true"):
+        return HalfPrecision(name)  # type: ignore[arg-type]
+    return Precision()
+
+
+def check_batch_size_change(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, current: int | None, micro: int
+) -> None:
+    """Refuse, with the remedy, a set-up whose batch size cannot be changed to ``micro``."""
+    if current == micro:
+        return
+    if not data_from_module(trainer):
+        raise ConfigurationError(
+            f"the plan needs micro-batch size {micro} (the train loader has {current}), but the dataloaders "
+            "were passed to `trainer.fit(...)` directly and cannot be rebuilt. Move the DataLoader into "
+            "`train_dataloader()` of a LightningDataModule (or the LightningModule) that reads "
+            "`self.batch_size`, or pass `ResourceGuard(target_batch_size=...)` with a target the loader "
+            "already yields and enough memory, or remove the callback."
+        )
+    if not lightning_hasattr(pl_module, BATCH_ATTR):
+        raise ConfigurationError(
+            f"the plan needs micro-batch size {micro} (the train loader has {current}), but neither the "
+            "LightningModule nor the DataModule (nor their hparams) has a `batch_size` attribute to set. Add "
+            "`self.batch_size` and build the train DataLoader with `batch_size=self.batch_size`."
+        )
+
+
+def apply_decisions(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, decisions: Decisions, current_batch_size: int | None
+) -> Applied:
+    """Configure the Trainer as the decisions say: batch size, accumulation, precision, checkpointing.
+
+    Refusals come first, before anything is changed. On a failure half-way, what was changed is undone.
+    """
+    check_batch_size_change(trainer, pl_module, current_batch_size, decisions.micro_batch_size)
+    applied = Applied()
+    try:
+        if current_batch_size != decisions.micro_batch_size:
+            applied.batch_size = lightning_getattr(pl_module, BATCH_ATTR)
+            applied.batch_size_changed = True
+            lightning_setattr(pl_module, BATCH_ATTR, decisions.micro_batch_size)
+            _check_rebuilt_loader(trainer, decisions.micro_batch_size)
+        if trainer.accumulate_grad_batches != decisions.accumulation_steps:
+            applied.accumulation = trainer.accumulate_grad_batches
+            trainer.accumulate_grad_batches = decisions.accumulation_steps
+        if trainer.precision != decisions.precision:
+            applied.precision_plugin = trainer.strategy.precision_plugin
+            plugin = precision_plugin_for(decisions.precision, trainer.strategy.root_device.type)
+            trainer.strategy.precision_plugin = plugin
+        if decisions.checkpointing:
+            from resource_guard.planning.checkpointing import apply_checkpointing
+
+            applied.checkpoint_handle = apply_checkpointing(pl_module)
+    except BaseException:
+        applied.restore(trainer, pl_module)
+        raise
+    return applied
+
+
+def _check_rebuilt_loader(trainer: pl.Trainer, micro: int) -> None:
+    """Rebuild the train loader with the new ``batch_size`` and check that it took; then drop it again
+    so the fit loop builds its own after the checkpoint (if any) is restored."""
+    with isolate_rng(include_cuda=False):  # loaders seed from the CPU generator; no CUDA context
+        drop_train_dataloader(trainer)
+        trainer.fit_loop.setup_data()
+        loader = trainer.train_dataloader
+        drop_train_dataloader(trainer)
+    got = loader.batch_size if isinstance(loader, DataLoader) else None
+    if got is not None and got != micro:
+        raise ConfigurationError(
+            f"after setting `batch_size={micro}` the rebuilt train DataLoader still has batch_size={got}: "
+            "build it in `train_dataloader()` with `batch_size=self.batch_size`."
+        )

@@ -1,0 +1,398 @@
+"""Run-time monitoring: :class:`RunMonitor`, the one object both front doors (``guard`` and the
+Lightning callback) drive with ``start`` / ``batch_ready`` / ``step_end`` / ``close``.
+
+It combines the background :class:`~resource_guard.observe.sampler.Sampler` (host and NVML gauges), the
+per-step :class:`~resource_guard.observe.throughput.StepTimer` (data wait vs compute, throughput, MFU), a
+bounded :class:`~resource_guard.observe.profiling.StepProfiler` window and TensorBoard output
+(:mod:`resource_guard.report.tensorboard`); at ``close`` it builds the :class:`~resource_guard.Report`.
+
+Contract: nothing raised inside monitoring reaches the training loop. Each failing part (NVML, psutil,
+the writer, the profiler) gives one ``ResourceGuardWarning`` and is switched off; only ``start()``
+raises, for a log dir that cannot be written. The first interval is the first step alone (start-up:
+data-loader workers, lazy inits); the run-level figures leave it out. Under ``torch.distributed``
+every rank aggregates each interval (one collective per log boundary; every rank must reach the same
+step counts): gauges and times are the mean over ranks (``*_max`` tags add the slowest rank), peak
+memory the maximum, throughput the job's total; rank zero alone writes. The end-of-run summary goes
+to the ``resource_guard`` logger at INFO when that logger is enabled for INFO, else to stderr
+(``summary=False`` silences it).
+
+The interval arithmetic is in :mod:`resource_guard.observe.stats`; what is recorded at each log
+boundary and written at close, in :mod:`resource_guard.observe.outputs`.
+
+Example:
+    >>> import torch
+    >>> mon = RunMonitor(None, interval_s=0.05, profile=False, summary=False)
+    >>> mon.start()
+    >>> for _ in range(3):
+    ...     mon.batch_ready(torch.zeros(8, 4)); mon.step_end()
+    >>> mon.close().stats.steps
+    3
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+
+from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.observe.oom import OomEvent, is_oom, memory_history
+from resource_guard.observe.outputs import MonitorOutputs, console_summary
+from resource_guard.observe.profiling import ProfileSummary, ProfileWindow, StepProfiler
+from resource_guard.observe.sampler import Sampler, reset_peak_rss
+from resource_guard.observe.stats import METRIC_KEYS, run_stats
+from resource_guard.observe.throughput import StepTimer, batch_counts, count_flops, peak_flops_per_s
+from resource_guard.report.findings import Report, RunStats, analyze
+from resource_guard.report.tensorboard import TBLog
+
+if TYPE_CHECKING:  # estimate (and its tracer) is not imported at run time
+    from resource_guard.devices import DeviceSpec
+    from resource_guard.estimate import MemoryEstimate
+
+__all__ = ["RunMonitor", "ProfileWindow", "count_flops", "METRIC_KEYS"]
+
+_clock = time.perf_counter
+
+
+class RunMonitor(MonitorOutputs):
+    """Monitors a training run and reports where the time went.
+
+    Args:
+        log_dir: directory for TensorBoard events, ``report.md``/``report.json``, the memory PNG and the
+            profiler trace (rank zero); ``None`` writes no files (unless ``writer`` has a ``log_dir``).
+        device: the training device. ``cuda`` enables NVML sampling, CUDA events and allocator peaks.
+        interval_s: seconds between background samples.
+        log_every_n_steps: steps per logged interval.
+        profile: a :class:`ProfileWindow`, ``True`` for the default window, ``False`` for none.
+        estimate: the pre-flight :class:`~resource_guard.MemoryEstimate` (drift, memory PNG).
+        capacity_bytes: device capacity; default from ``device_spec``, CUDA or the host RAM.
+        device_spec: catalog facts (peak TFLOP/s for MFU, bf16/TF32/tensor cores for the rules).
+        writer: an existing ``SummaryWriter`` (never closed here); ``None`` creates one in ``log_dir``.
+        rank / world_size: this process's rank; only rank zero writes.
+        stall_threshold: data-wait share from which an interval (and the run) counts as input-bound.
+        loader_info: ``num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor``.
+        flops_per_step: FLOPs of one step (see :func:`count_flops`) for MFU.
+        precision: the Lightning precision name the run trains in.
+        summary: print the one-line summary at the end (rank zero).
+        memory_history: on a CUDA run, record the allocator's history and dump it into
+            ``memory_snapshot.pickle`` when the run ends with an OOM (see :mod:`resource_guard.observe.oom`).
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str] | None,
+        *,
+        device: torch.device | str = "cpu",
+        interval_s: float = 1.0,
+        log_every_n_steps: int = 10,
+        profile: ProfileWindow | bool = True,
+        estimate: MemoryEstimate | None = None,
+        capacity_bytes: int | None = None,
+        device_spec: DeviceSpec | None = None,
+        writer: Any | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        stall_threshold: float = 0.05,
+        loader_info: Mapping[str, Any] | None = None,
+        flops_per_step: float | None = None,
+        precision: str | None = None,
+        summary: bool = True,
+        memory_history: bool = False,
+    ) -> None:
+        def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
+            return ConfigurationError(f"`RunMonitor({name}={value!r})` must be {allowed}")
+
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise bad("device", device, "a torch device such as 'cpu' or 'cuda:0'") from exc
+        if not (isinstance(interval_s, (int, float)) and 0 < interval_s < math.inf):
+            raise bad("interval_s", interval_s, "a number of seconds > 0")
+        if (
+            not isinstance(log_every_n_steps, int)
+            or isinstance(log_every_n_steps, bool)
+            or log_every_n_steps < 1
+        ):
+            raise bad("log_every_n_steps", log_every_n_steps, "an int >= 1")
+        if profile is True:
+            profile = ProfileWindow()
+        if not (profile is False or profile is None or isinstance(profile, ProfileWindow)):
+            raise bad("profile", profile, "a ProfileWindow, True or False")
+        if not (isinstance(stall_threshold, (int, float)) and 0 < stall_threshold < 1):
+            raise bad("stall_threshold", stall_threshold, "in (0, 1)")
+        if not (
+            isinstance(world_size, int)
+            and world_size >= 1
+            and isinstance(rank, int)
+            and 0 <= rank < world_size
+        ):
+            raise bad("rank", rank, f"an int in [0, world_size={world_size!r})")
+        if capacity_bytes is not None and not (isinstance(capacity_bytes, int) and capacity_bytes > 0):
+            raise bad("capacity_bytes", capacity_bytes, "a positive int or None")
+        if flops_per_step is not None and not (
+            isinstance(flops_per_step, (int, float)) and flops_per_step > 0
+        ):
+            raise bad("flops_per_step", flops_per_step, "a number > 0 or None")
+        if not isinstance(memory_history, bool):
+            raise bad("memory_history", memory_history, "True or False")
+        if precision is not None:
+            from resource_guard.step.precision import parse_precision
+
+            precision = parse_precision(precision).name
+        self.log_dir = None if log_dir is None else Path(log_dir)
+        self.interval_s = float(interval_s)
+        self.log_every_n_steps = log_every_n_steps
+        self.profile_window: ProfileWindow | None = profile or None
+        self.estimate, self.capacity_bytes, self.device_spec = estimate, capacity_bytes, device_spec
+        self.rank, self.world_size, self.stall_threshold = rank, world_size, float(stall_threshold)
+        self.loader_info = dict(loader_info or {})
+        self.flops_per_step, self.precision, self.summary = flops_per_step, precision, summary
+        self.memory_history = memory_history
+        self.report: Report | None = None
+        self._history = False
+        self._oom: OomEvent | None = None
+        self._writer_arg = writer
+        self._tb: TBLog | None = None
+        self._sampler: Sampler | None = None
+        self._profiler: StepProfiler | None = None
+        self._timer: StepTimer | None = None
+        self._cuda = False
+        self._events: list[tuple[Any, Any]] = []
+        self._open_event: Any = None
+        self._rss_reset = False
+        self._step = 0
+        self._intervals: list[tuple[float, ...]] = []
+        self._started = self._closed = self._broken = False
+        self._notes: list[str] = []
+
+    # -- life cycle ------------------------------------------------------------------------------
+    @property
+    def _files_dir(self) -> Path | None:
+        if self.log_dir is not None:
+            return self.log_dir
+        found = getattr(self._writer_arg, "log_dir", None)
+        return None if found is None else Path(found)
+
+    def start(self) -> None:
+        """Check the log dir (raises ``ConfigurationError``), then start sampling and timing. Idempotent."""
+        if self._started or self._closed:
+            return
+        if self.rank == 0 and self.log_dir is not None:
+            try:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=self.log_dir):
+                    pass
+            except OSError as exc:
+                raise ConfigurationError(
+                    f"`RunMonitor(log_dir={str(self.log_dir)!r})` is not a writable directory: {exc}. "
+                    "Pass a directory you can write to, or log_dir=None to write no files."
+                ) from exc
+        self._started = True
+        self._cuda = self.device.type == "cuda"
+        self._guard("CUDA timing", self._setup_cuda)
+        if self.memory_history and self._cuda:
+            self._history = bool(self._guard("memory history", memory_history, "start"))
+        if self.device_spec is None and self._cuda:
+            self._guard("device detection", self._detect_device)
+        if self.rank == 0 and (self.log_dir is not None or self._writer_arg is not None):
+            self._tb = TBLog(self._writer_arg, self.log_dir)
+            self._guard("TensorBoard", self._tb.layout, off="_tb")
+        gpus: tuple[int, ...] = ()
+        if self.device.type == "cuda":  # every visible GPU; under DDP each rank samples its own
+            own = self.device.index or 0
+            gpus = (own,) if self.world_size > 1 else tuple(range(max(own + 1, _visible_gpu_count())))
+        self._sampler = Sampler(self.interval_s, gpus)
+        self._guard("sampler", self._sampler.start, off="_sampler")
+        if self.profile_window is not None:
+            trace_dir = self._files_dir / "profiler" if self.rank == 0 and self._files_dir else None
+            self._profiler = StepProfiler(
+                self.profile_window, trace_dir, device_type=self.device.type, trace_name=f"rank{self.rank}"
+            )
+            self._guard("profiler", self._profiler.start, off="_profiler")
+        self._rss_reset = not self._cuda and reset_peak_rss()
+        self._timer = StepTimer(_clock())
+
+    def _setup_cuda(self) -> None:
+        if self._cuda and not torch.cuda.is_available():
+            self._cuda = False
+            raise RuntimeError(f"device {self.device} was given but CUDA is not available")
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _detect_device(self) -> None:
+        from resource_guard.devices import detect_local_devices
+
+        index = self.device.index or 0
+        self.device_spec = next(
+            (d for d in detect_local_devices() if d.index == index and d.kind == "cuda"), None
+        )
+
+    def batch_ready(self, batch: Any) -> None:
+        """A batch arrived: the data wait ends and compute begins. Infers samples and tokens."""
+        timer = self._timer
+        if timer is None or self._broken:
+            return
+        now = _clock()
+        try:
+            samples, tokens = batch_counts(batch)
+            timer.batch_ready(now, samples, tokens)
+            if self._cuda and self._open_event is None:
+                self._open_event = torch.cuda.Event(enable_timing=True)
+                self._open_event.record()
+        except Exception as exc:
+            self._break(exc)
+
+    def step_end(self) -> None:
+        """One (micro) step finished: advances the profiler; logs at interval boundaries."""
+        timer = self._timer
+        if timer is None or self._broken:
+            return
+        try:
+            timer.step_end(_clock())
+            self._step += 1
+            if self._open_event is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events.append((self._open_event, end))
+                self._open_event = None
+            if self._profiler is not None:
+                self._guard("profiler", self._profiler.step, off="_profiler")
+            if self._step == 1 or self._step % self.log_every_n_steps == 0:
+                self._log_interval(_clock())
+                if self._sampler is not None:
+                    self._warn_sampler()
+            timer.resume(_clock())  # profiling and logging are the monitor's time, not a data wait
+        except Exception as exc:
+            self._break(exc)
+
+    def close(self, exc: BaseException | None = None) -> Report | None:
+        """Stop everything, write the report (rank zero) and return it. Idempotent; never raises."""
+        if self._closed:
+            return self.report
+        self._closed = True
+        if self._profiler is not None:
+            self._guard("profiler", self._profiler.stop, off="_profiler")
+        if self._sampler is not None:
+            self._sampler.stop()
+        if exc is not None:
+            self._notes.append(f"the run ended with {type(exc).__name__}: {exc}")
+        if is_oom(exc) and self._started:
+            assert exc is not None  # for mypy: is_oom(None) is False
+            self._oom = self._guard("OOM record", self._record_oom, exc)
+        if self._history:
+            self._history = False
+            self._guard("memory history", memory_history, "stop")
+        if self._timer is not None and not self._broken and self._timer.steps:
+            collective = exc is None or not _distributed()
+            self._guard("interval logging", lambda: self._log_interval(_clock(), collective=collective))
+        if self._sampler is not None:
+            self._warn_sampler()
+        if not self._started:
+            return None
+        summary = None
+        if self._profiler is not None:
+            summary = self._guard("profiler", self._profiler.summarize, off="_profiler")
+        self.report = self._guard("report", lambda: analyze(self._run_stats(summary)))
+        if self.rank == 0 and self.report is not None:
+            self._write_outputs(self.report)
+            if self.summary:
+                console_summary(self.report)
+        if self._tb is not None:
+            self._guard("TensorBoard", self._tb.close, off="_tb")
+        return self.report
+
+    # -- intervals ---------------------------------------------------------------------------------
+    def _collective_device(self) -> torch.device | None:
+        import torch.distributed as dist
+
+        if self._cuda and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            return self.device
+        return None
+
+    def _peak_flops(self) -> float | None:
+        spec = self.device_spec
+        if spec is None:
+            return None
+        return peak_flops_per_s(spec.peak_tflops, self.precision, torch.get_float32_matmul_precision())
+
+    # -- the end of the run ----------------------------------------------------------------------
+    def _run_stats(self, profile: ProfileSummary | None) -> RunStats:
+        return run_stats(
+            self._intervals,
+            device=self.device,
+            cuda=self._cuda,
+            device_spec=self.device_spec,
+            flops_per_step=self.flops_per_step,
+            peak_flops_per_s=self._peak_flops(),
+            capacity_bytes=self._capacity(),
+            estimated_peak_bytes=self.estimate.peak_bytes if self.estimate is not None else None,
+            precision=self.precision,
+            loader_info=self.loader_info,
+            world_size=self.world_size,
+            stall_threshold=self.stall_threshold,
+            profile=profile,
+            notes=tuple(self._notes),
+            oom=None if self._oom is None else self._oom.to_dict(),
+        )
+
+    def _capacity(self) -> int | None:
+        if self.capacity_bytes is not None:
+            return self.capacity_bytes
+        if self.device_spec is not None:
+            return self.device_spec.memory_bytes
+        if self._cuda:
+            return int(torch.cuda.get_device_properties(self.device).total_memory)
+        return int(psutil.virtual_memory().total)
+
+    # -- degrading -------------------------------------------------------------------------------
+    def _guard(self, part: str, fn: Any, *args: Any, off: str | None = None, **kwargs: Any) -> Any:
+        """``fn(*args)``; on any exception one warning, and the attribute ``off`` set to None."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if off is not None:
+                obj = getattr(self, off, None)
+                setattr(self, off, None)
+                release = getattr(obj, "close", None) or getattr(obj, "stop", None)
+                if release is not None:  # a part switched off still lets go of its thread and files
+                    with contextlib.suppress(Exception):  # already reporting the first error
+                        release()
+            _warn(f"{part} disabled: {type(exc).__name__}: {exc}")
+            return None
+
+    def _break(self, exc: BaseException) -> None:
+        self._broken = True
+        if self._profiler is not None:
+            self._guard("profiler", self._profiler.stop, off="_profiler")
+        _warn(f"monitoring stopped for the rest of the run: {type(exc).__name__}: {exc}")
+
+    def _warn_sampler(self) -> None:
+        assert self._sampler is not None  # internal invariant
+        for message in self._sampler.pop_messages():
+            _warn(message)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"resource_guard monitoring: {message}", ResourceGuardWarning, stacklevel=4)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def _visible_gpu_count() -> int:
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:
+        return 0

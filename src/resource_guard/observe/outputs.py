@@ -1,0 +1,196 @@
+"""What a :class:`~resource_guard.RunMonitor` records and writes: at each log boundary the
+interval row (kept for the run stats, logged to TensorBoard); when the run ends the OOM record
+(``oom.json``, the memory snapshot), the report files (``report.md``, ``report.json``, ``memory.png``)
+with their TensorBoard copies, and the console summary.
+
+:class:`MonitorOutputs` is the monitor's base class: its methods degrade through the monitor's ``_guard``
+(one warning, the failing part switched off), like the monitor's own methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from resource_guard.observe.oom import SNAPSHOT_FILE, OomEvent, memory_history, write_oom
+from resource_guard.observe.sampler import peak_rss_bytes, reset_peak_rss
+from resource_guard.observe.stats import METRIC_KEYS, interval_row, job_row, tensorboard_scalars
+from resource_guard.observe.throughput import aggregate_rows
+from resource_guard.report.findings import Report
+from resource_guard.report.tensorboard import memory_picture, png_bytes
+
+if TYPE_CHECKING:
+    from resource_guard.estimate import MemoryEstimate
+    from resource_guard.observe.sampler import Sampler
+    from resource_guard.observe.throughput import StepTimer
+    from resource_guard.report.tensorboard import TBLog
+
+__all__ = ["MonitorOutputs", "console_summary"]
+
+_log = logging.getLogger("resource_guard")
+
+
+class MonitorOutputs:
+    """The recording and writing half of :class:`~resource_guard.RunMonitor` (its base).
+
+    The state below is owned and set by the monitor; the methods degrade through its ``_guard``.
+    """
+
+    device: torch.device
+    estimate: MemoryEstimate | None
+    stall_threshold: float
+    world_size: int
+    rank: int
+    flops_per_step: float | None
+    _timer: StepTimer | None
+    _sampler: Sampler | None
+    _events: list[tuple[Any, Any]]
+    _tb: TBLog | None
+    _cuda: bool
+    _rss_reset: bool
+    _step: int
+    _intervals: list[tuple[float, ...]]
+    _history: bool
+    _guard: Callable[..., Any]
+    _peak_flops: Callable[[], float | None]
+    _capacity: Callable[[], int | None]
+    _collective_device: Callable[[], torch.device | None]
+
+    @property
+    def _files_dir(self) -> Path | None:  # the monitor's: where report and OOM files go
+        raise NotImplementedError
+
+    def _log_interval(self, now: float, collective: bool = True) -> None:
+        """At a log boundary: this interval's row, aggregated over ranks (a collective unless
+        ``collective=False``), kept for the run stats and logged to TensorBoard."""
+        assert self._timer is not None  # internal invariant: only called after start()
+        iv = self._timer.take(now)
+        if iv.steps == 0:
+            return
+        gauges = self._sampler.drain() if self._sampler is not None else {}
+        device_compute_s = None
+        if self._events:
+            self._events[-1][1].synchronize()  # the only device sync: at a log boundary
+            device_ms = sum(start.elapsed_time(end) for start, end in self._events)
+            device_compute_s = device_ms / 1e3 / len(self._events)
+            self._events.clear()
+        peak = self._guard("memory peak", self._peak_memory, gauges)
+        row = interval_row(
+            iv,
+            gauges,
+            stall_threshold=self.stall_threshold,
+            device_compute_s=device_compute_s,
+            peak_bytes=peak,
+            estimated_peak_bytes=self.estimate.peak_bytes
+            if self._cuda and self.estimate is not None
+            else None,
+            gpu_index=self.device.index or 0,
+        )
+        values = list(row.values())
+        means, maxes = aggregate_rows(values, self._collective_device()) if collective else (values, values)
+        agg = job_row(
+            row,
+            means,
+            maxes,
+            world_size=self.world_size,
+            flops_per_step=self.flops_per_step,
+            peak_flops_per_s=self._peak_flops(),
+        )
+        self._intervals.append(tuple(agg[k] for k in METRIC_KEYS))
+        if self._tb is None:
+            return
+        out = tensorboard_scalars(agg, maxes, gauges, world_size=self.world_size)
+        self._guard("TensorBoard", lambda: self._tb.scalars(self._step, out), off="_tb")  # type: ignore[union-attr]
+
+    def _peak_memory(self, gauges: Mapping[str, tuple[float, float]]) -> float | None:
+        """The interval's peak: the CUDA allocator's (then reset), else the process's RSS high-water mark
+        (then reset), else the highest sampled RSS."""
+        if self._cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return float(peak)
+        hwm = peak_rss_bytes() if self._rss_reset else None
+        if hwm is not None:
+            self._rss_reset = reset_peak_rss()
+            return float(hwm)
+        sampled = gauges.get("host/process_rss_bytes")
+        return None if sampled is None else sampled[1]
+
+    def _record_oom(self, exc: BaseException) -> OomEvent:
+        """The last memory figures (read before the final interval resets the peak), snapshot, oom.json."""
+        peak: float | None
+        if self._cuda:
+            peak = float(torch.cuda.max_memory_allocated(self.device))
+        else:
+            peak = peak_rss_bytes() if self._rss_reset else None
+        logged = [r[METRIC_KEYS.index("memory/peak_bytes")] for r in self._intervals]
+        logged = [v for v in logged if not math.isnan(v)]
+        directory = self._files_dir if self.rank == 0 else None
+        snapshot = None
+        if self._history and directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            if self._guard("memory snapshot", memory_history, "dump", directory / SNAPSHOT_FILE):
+                snapshot = str(directory / SNAPSHOT_FILE)
+        event = OomEvent(
+            error=OomEvent.describe(exc),
+            step=self._step + 1,
+            device=str(self.device),
+            peak_at_oom_bytes=None if peak is None else int(peak),
+            last_logged_peak_bytes=int(logged[-1]) if logged else None,
+            peak_memory_source="cuda_allocated" if self._cuda else "rss",
+            estimated_peak_bytes=self.estimate.peak_bytes if self.estimate is not None else None,
+            capacity_bytes=self._capacity(),
+            snapshot_path=snapshot,
+        )
+        if directory is not None:
+            self._guard("OOM record", write_oom, directory, event)
+        return event
+
+    def _write_outputs(self, report: Report) -> None:
+        """Rank zero, at close: the report and the memory picture to TensorBoard and to ``report.md``,
+        ``report.json`` and ``memory.png`` in the monitor's files directory."""
+        markdown = report.to_markdown()
+        picture = None
+        if self.estimate is not None and self.estimate.timeline:
+            title = f"pre-flight memory of one step ({self.estimate.precision}) vs {self.device}"
+            picture = self._guard(
+                "memory picture", memory_picture, self.estimate.timeline, self._capacity(), title=title
+            )
+        if self._tb is not None:
+            tb = self._tb
+            self._guard("TensorBoard", lambda: tb.text("report", markdown, self._step), off="_tb")
+            if picture is not None and self._tb is not None:
+                self._guard("TensorBoard", lambda: tb.image("memory", picture, self._step), off="_tb")
+        directory = self._files_dir
+        if directory is None:
+            return
+
+        def write_files() -> None:
+            import json
+
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "report.md").write_text(markdown, encoding="utf-8")
+            data = json.dumps(report.to_dict(), indent=2, default=str)
+            (directory / "report.json").write_text(data, encoding="utf-8")
+            if picture is not None:
+                (directory / "memory.png").write_bytes(png_bytes(picture))
+
+        self._guard("report files", write_files)
+
+
+def console_summary(report: Report) -> None:
+    """The one-line summary and the findings: to the ``resource_guard`` logger at INFO when it is enabled
+    for INFO, else to stderr."""
+    line = report.summary_line()
+    extra = [f"  {f.id} ({f.severity}): {f.title}" for f in report.findings if f.id != "healthy"]
+    text = "\n".join([line, *extra])
+    if _log.isEnabledFor(logging.INFO):
+        _log.info(text)
+    else:
+        print(text, file=sys.stderr)

@@ -1,0 +1,11 @@
+"""Planning: choose device, precision, checkpointing, micro-batch × accumulation and strategy from estimates.
+
+- :mod:`~resource_guard.planning.planner`: :func:`plan` and :class:`Plan` (the rules, each with its reason).
+- :mod:`~resource_guard.planning.search`: cached traces, the micro-batch search, the alternatives table.
+- :mod:`~resource_guard.planning.strategy`: per-rank memory of DDP and FSDP.
+- :mod:`~resource_guard.planning.checkpointing`: switching activation checkpointing on and off.
+- :mod:`~resource_guard.planning.nofit`: the reasons, and the report when nothing fits.
+
+Imports :mod:`resource_guard.estimate` and below. (Named ``planning``, not ``plan``, so the package
+never hides the public function :func:`resource_guard.plan`.)
+"""

@@ -1,0 +1,235 @@
+"""The planner's micro-batch search: cached estimate traces and interpolation over divisors.
+
+Used by :mod:`resource_guard.planning.planner` (rule 5 of its docstring). A :class:`Tracer` owns the traces
+(one ``estimate_memory`` per distinct ``(checkpointing, micro-batch)``, counted) and evaluates them per
+strategy without tracing again; :func:`search_largest` finds the largest divisor that fits; every
+evaluated configuration is an :class:`Alternative` (a row of :func:`render_table`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from resource_guard.estimate import MemoryEstimate, estimate_memory
+from resource_guard.planning.checkpointing import apply_checkpointing
+from resource_guard.planning.strategy import RankMemory, rank_fit, rank_memory
+from resource_guard.step.batching import resize_batch
+from resource_guard.step.training import LossFn, OptimizerArg
+
+if TYPE_CHECKING:
+    from resource_guard.devices import DeviceSpec
+    from resource_guard.estimate import DeviceFit
+
+__all__ = ["Alternative", "Candidate", "Tracer", "render_table", "search_largest", "relative_cost"]
+
+_MiB = 2**20
+
+CHECKPOINT_COST = 1.3
+CHECKPOINT_MARGIN = 0.9
+FSDP_COST = 1.1
+MICRO_STEP_OVERHEAD_SAMPLES = 8
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One configuration the planner considered (a row of the alternatives table)."""
+
+    precision: str
+    checkpointing: bool
+    micro_batch_size: int
+    accumulation_steps: int
+    strategy: str
+    world_size: int
+    predicted_peak_bytes: int
+    fits: bool
+    relative_cost: float
+    chosen: bool = False
+
+    def config(self) -> str:
+        ckpt = " +ckpt" if self.checkpointing else ""
+        where = f" {self.strategy}×{self.world_size}" if self.strategy != "single" else ""
+        return f"{self.micro_batch_size}×{self.accumulation_steps} {self.precision}{ckpt}{where}"
+
+
+def render_table(rows: tuple[Alternative, ...]) -> str:
+    """The alternatives as a markdown table."""
+    lines = ["| config (micro×accum) | predicted peak | fits | relative cost |", "|---|---:|:-:|---:|"]
+    for r in rows:
+        mark = " **(chosen)**" if r.chosen else ""
+        peak = f"{r.predicted_peak_bytes / _MiB:,.1f} MiB"
+        lines.append(f"| {r.config()}{mark} | {peak} | {'yes' if r.fits else 'no'} | {r.relative_cost:.2f} |")
+    return "\n".join(lines)
+
+
+def relative_cost(
+    micro: int, per_rank: int, *, checkpointing: bool = False, strategy: str = "single"
+) -> float:
+    """Time per sample relative to the full per-rank batch without checkpointing (see rule 4)."""
+    k = MICRO_STEP_OVERHEAD_SAMPLES
+    cost = ((micro + k) / micro) / ((per_rank + k) / per_rank)
+    return cost * (CHECKPOINT_COST if checkpointing else 1.0) * (FSDP_COST if strategy == "fsdp" else 1.0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One evaluated configuration: a micro-batch under (checkpointing, strategy), and its figures."""
+
+    micro: int
+    ckpt: bool
+    strategy: str
+    estimate: MemoryEstimate
+    fit: DeviceFit
+    rank: RankMemory
+
+    @property
+    def total(self) -> int:
+        return self.fit.device_total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.fit.fits
+
+
+class Tracer:
+    """Traces the step at a micro-batch size (cached and counted) and fits it to the device per strategy."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerArg,
+        batch: Any,
+        loss_fn: LossFn | None,
+        precision: str,
+        device: DeviceSpec,
+        headroom: float,
+        units: Sequence[int],
+        world_size: int,
+        blocks: tuple[str, ...],
+    ) -> None:
+        self.model, self.optimizer, self.batch, self.loss_fn = model, optimizer, batch, loss_fn
+        self.precision, self.device, self.headroom = precision, device, headroom
+        self.units, self.world_size = tuple(units), world_size
+        self.blocks = blocks  # find_checkpoint_blocks(model), found once by the planner
+        self.count = 0
+        self._traces: dict[tuple[bool, int], MemoryEstimate] = {}
+        self.evaluated: dict[tuple[bool, str, int], Candidate] = {}
+
+    def trace(self, ckpt: bool, micro: int) -> MemoryEstimate:
+        key = (ckpt, micro)
+        if key not in self._traces:
+            batch = resize_batch(self.batch, micro)
+            handle = apply_checkpointing(self.model) if ckpt else None
+            try:
+                est = estimate_memory(
+                    self.model,
+                    self.optimizer,
+                    batch,
+                    self.loss_fn,
+                    precision=self.precision,
+                    device=self.device.kind,
+                )
+            finally:
+                if handle is not None:
+                    handle.remove()
+            self.count += 1
+            self._traces[key] = est
+        return self._traces[key]
+
+    def evaluate(self, ckpt: bool, strategy: str, micro: int) -> Candidate:
+        key = (ckpt, strategy, micro)
+        if key not in self.evaluated:
+            est = self.trace(ckpt, micro)
+            fit = est.for_device(self.device, headroom=self.headroom)
+            rank = rank_memory(est, strategy, self.world_size, units=self.units)
+            if strategy != "single":
+                fit = rank_fit(fit, est, rank)
+            self.evaluated[key] = Candidate(micro, ckpt, strategy, est, fit, rank)
+        return self.evaluated[key]
+
+    def _series(self, ckpt: bool, strategy: str) -> list[Candidate]:
+        return sorted(
+            (c for (k, s, _), c in self.evaluated.items() if k == ckpt and s == strategy),
+            key=lambda c: c.micro,
+        )
+
+    def smallest_failing(self, ckpt: bool, strategy: str, micro: int) -> tuple[int, int] | None:
+        """``(micro-batch, bytes)`` of the smallest evaluated micro-batch above ``micro`` not fitting."""
+        over = [c for c in self._series(ckpt, strategy) if c.micro > micro and not c.fits]
+        return (over[0].micro, over[0].total) if over else None
+
+    def interpolated_limit(self, ckpt: bool, strategy: str, micro: int) -> int | None:
+        """The largest micro-batch, divisor or not, that the linear model says would fit."""
+        series = self._series(ckpt, strategy)
+        low = next((c for c in series if c.micro == micro), None)
+        high = next((c for c in series if c.micro > micro and not c.fits), None)
+        if low is None or high is None or high.total <= low.total:
+            return None
+        slope = (high.total - low.total) / (high.micro - low.micro)
+        return int(low.micro + (low.fit.usable_bytes - low.total) / slope)
+
+    def smallest_points(self) -> list[Candidate]:
+        """The evaluated configuration with the smallest micro-batch, per (checkpointing, strategy)."""
+        groups = {(c.ckpt, c.strategy) for c in self.evaluated.values()}
+        return [self._series(*g)[0] for g in groups]
+
+    def alternatives(self, per_rank: int) -> tuple[Alternative, ...]:
+        """Every evaluated configuration as a table row: fitting ones first, cheapest first."""
+
+        rows = [
+            Alternative(
+                precision=self.precision,
+                checkpointing=c.ckpt,
+                micro_batch_size=c.micro,
+                accumulation_steps=per_rank // c.micro,
+                strategy=c.strategy,
+                world_size=self.world_size,
+                predicted_peak_bytes=c.total,
+                fits=c.fits,
+                relative_cost=relative_cost(c.micro, per_rank, checkpointing=c.ckpt, strategy=c.strategy),
+            )
+            for c in self.evaluated.values()
+        ]
+        return tuple(sorted(rows, key=lambda r: (not r.fits, r.relative_cost, r.predicted_peak_bytes)))
+
+
+def search_largest(
+    tracer: Tracer, divs: Sequence[int], ckpt: bool, strategy: str, start: int = 1
+) -> Candidate | None:
+    """The largest divisor in ``divs`` whose configuration fits, verified by traces (None: not even 1).
+
+    Traces the largest divisor first (done if it fits), then ``start`` (a size known to fit in a
+    cheaper configuration, else 1), then interpolates linearly between the largest fitting and the
+    smallest failing size and traces the largest divisor predicted to fit (or the next one up), until
+    those two sizes are neighbouring divisors.
+    """
+    top = tracer.evaluate(ckpt, strategy, divs[-1])
+    if top.fits:
+        return top
+    lo = start if start in divs and start < divs[-1] else divs[0]
+    low = tracer.evaluate(ckpt, strategy, lo)
+    if not low.fits and lo != divs[0]:
+        lo = divs[0]
+        low = tracer.evaluate(ckpt, strategy, lo)
+    if not low.fits:
+        return None
+    high = top
+    while True:
+        between = [d for d in divs if low.micro < d < high.micro]
+        if not between:
+            return low
+        if high.total > low.total:
+            guess = low.micro + (low.fit.usable_bytes - low.total) * (high.micro - low.micro) / (
+                high.total - low.total
+            )
+        else:  # not increasing: bisect
+            guess = (low.micro + high.micro) / 2
+        below = [d for d in between if d <= guess]
+        point = tracer.evaluate(ckpt, strategy, below[-1] if below else between[0])
+        if point.fits:
+            low = point
+        else:
+            high = point

@@ -1,0 +1,160 @@
+"""The bottleneck report: measured facts of a run (:class:`RunStats`) → findings → markdown / JSON.
+
+Every rule is a small pure function ``RunStats -> Finding | None`` (:mod:`resource_guard.report.rules`, where
+the thresholds are documented); :func:`analyze` runs them all and adds ``healthy`` when no rule raised
+a warning. Finding ids are stable (``report.json`` consumers rely on them): ``oom``, ``input-bound``,
+``launch-bound``, ``memory-pressure``, ``precision``, ``host-to-device``, ``alignment``,
+``estimate-drift``, ``healthy``. The markdown rendering is in :mod:`resource_guard.report.markdown`.
+
+Example:
+    >>> stats = RunStats(steps=50, data_wait_share=0.4, loader_info={"num_workers": 0}, available_cores=8)
+    >>> r = analyze(stats)
+    >>> r.verdict, r.findings[0].severity
+    ('input-bound', 'critical')
+    >>> "num_workers" in r.findings[0].advice[0]
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from resource_guard.report.markdown import render_markdown
+from resource_guard.report.rules import CRITICAL_DATA_WAIT_SHARE as CRITICAL_DATA_WAIT_SHARE
+from resource_guard.report.rules import ESTIMATE_DRIFT_FRACTION as ESTIMATE_DRIFT_FRACTION
+from resource_guard.report.rules import H2D_SHARE as H2D_SHARE
+from resource_guard.report.rules import LOW_GPU_UTIL_PERCENT as LOW_GPU_UTIL_PERCENT
+from resource_guard.report.rules import MANY_KERNELS_PER_STEP as MANY_KERNELS_PER_STEP
+from resource_guard.report.rules import MEMORY_PRESSURE_FRACTION as MEMORY_PRESSURE_FRACTION
+from resource_guard.report.rules import MISALIGNED_MATMUL_SHARE as MISALIGNED_MATMUL_SHARE
+from resource_guard.report.rules import RULES
+from resource_guard.report.rules import TINY_KERNEL_US as TINY_KERNEL_US
+from resource_guard.report.rules import rule_alignment as rule_alignment
+from resource_guard.report.rules import rule_estimate_drift as rule_estimate_drift
+from resource_guard.report.rules import rule_host_to_device as rule_host_to_device
+from resource_guard.report.rules import rule_input_bound as rule_input_bound
+from resource_guard.report.rules import rule_launch_bound as rule_launch_bound
+from resource_guard.report.rules import rule_memory_pressure as rule_memory_pressure
+from resource_guard.report.rules import rule_oom as rule_oom
+from resource_guard.report.rules import rule_precision as rule_precision
+from resource_guard.report.types import FINDING_IDS, SEVERITIES, Finding, RunStats, available_cores
+
+__all__ = [
+    "SEVERITIES",
+    "FINDING_IDS",
+    "Finding",
+    "Report",
+    "RunStats",
+    "RULES",
+    "analyze",
+    "available_cores",
+    "report_command",
+]
+
+
+def _healthy(s: RunStats) -> Finding:
+    evidence = {"step_time_s": s.step_time_s, "data_wait_share": s.data_wait_share, "mfu": s.mfu}
+    mfu = f", MFU {s.mfu:.0%}" if s.mfu is not None else ""
+    advice = (
+        "No bottleneck found: the step is compute-bound. Scale the batch or the device for more speed.",
+    )
+    return Finding("healthy", "info", f"Compute-bound (healthy){mfu}", evidence, advice)
+
+
+def analyze(stats: RunStats, rules: tuple[Callable[[RunStats], Finding | None], ...] = RULES) -> Report:
+    """Run every rule over ``stats``; findings sorted by severity (critical first)."""
+    found = [f for f in (rule(stats) for rule in rules) if f is not None]
+    if not any(f.severity != "info" for f in found):
+        found.insert(0, _healthy(stats))
+    found.sort(key=lambda f: -SEVERITIES.index(f.severity))
+    return Report(tuple(found), stats)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Findings (most severe first) and the measured summary they were drawn from."""
+
+    findings: tuple[Finding, ...]
+    stats: RunStats = field(default_factory=RunStats)
+
+    @property
+    def verdict(self) -> str:
+        """Id of the most severe finding (``"healthy"`` when nothing is wrong)."""
+        return self.findings[0].id if self.findings else "healthy"
+
+    def finding(self, finding_id: str) -> Finding | None:
+        return next((f for f in self.findings if f.id == finding_id), None)
+
+    def summary_line(self) -> str:
+        """One line for the console."""
+        s = self.stats
+        parts = [f"verdict {self.verdict}", f"{s.steps} steps"]
+        if s.step_time_s is not None:
+            parts.append(f"{s.step_time_s * 1e3:.1f} ms/step")
+        if s.data_wait_share is not None:
+            parts.append(f"data wait {s.data_wait_share:.0%}")
+        if s.samples_per_s is not None:
+            parts.append(f"{s.samples_per_s:.1f} samples/s")
+        if s.mfu is not None:
+            parts.append(f"MFU {s.mfu:.1%}")
+        return "resource_guard: " + ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict,
+            "findings": [f.to_dict() for f in self.findings],
+            "summary": self.stats.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Report:
+        findings = tuple(
+            Finding(
+                f["id"], f["severity"], f["title"], dict(f.get("evidence", {})), tuple(f.get("advice", ()))
+            )
+            for f in data.get("findings", ())
+        )
+        return cls(findings, RunStats.from_dict(data.get("summary", {})))
+
+    def to_markdown(self) -> str:
+        """The report as markdown (``report.md``)."""
+        return render_markdown(self)
+
+
+def _find_report(logdir: Path) -> Path | None:
+    direct = logdir / "report.json"
+    if direct.is_file():
+        return direct
+    found = sorted(logdir.rglob("report.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def report_command(logdir: str, *, as_json: bool = False) -> int:
+    """``resource-guard report LOGDIR``: print the report of a finished run; returns the exit code.
+
+    Reads ``LOGDIR/report.json`` (or the newest ``report.json`` below it, e.g. a Lightning version
+    directory). Exit 0 when printed, 2 when there is no readable report.
+    """
+    path = _find_report(Path(logdir))
+    if path is None:
+        print(
+            f"resource-guard report: no report.json in {logdir!r} (is it the log dir of a finished run?)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        report = Report.from_dict(data)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(
+            f"resource-guard report: {path} is not a readable report ({type(exc).__name__}: {exc})",
+            file=sys.stderr,
+        )
+        return 2
+    print(json.dumps(data, indent=2) if as_json else report.to_markdown())
+    return 0

@@ -1,0 +1,189 @@
+"""The typed input and output of the report's rules: :class:`RunStats` (what the monitor measured
+over a run, with the profiler window's :class:`ProfileSummary`) and :class:`Finding` (one
+conclusion), with the stable ids and severities.
+
+Re-exported from :mod:`resource_guard.report.findings`, where they are documented for users.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["SEVERITIES", "FINDING_IDS", "Finding", "ProfileSummary", "RunStats", "available_cores"]
+
+SEVERITIES = ("info", "warning", "critical")
+FINDING_IDS = (
+    "oom",
+    "input-bound",
+    "launch-bound",
+    "memory-pressure",
+    "precision",
+    "host-to-device",
+    "alignment",
+    "estimate-drift",
+    "healthy",
+)
+
+
+@dataclass(frozen=True)
+class ProfileSummary:
+    """What the profiler window saw.
+
+    Attributes:
+        steps: steps recorded.
+        step_wall_us: mean wall time of a recorded step (``ProfilerStep#`` spans), microseconds.
+        device_busy_us: device time (kernels, copies, memsets) per step; 0 on CPU-only runs.
+        kernel_count: device kernels per step.
+        median_kernel_us: median kernel duration (``None`` without kernels).
+        h2d_us / h2d_pageable_us: host-to-device copy time per step (pageable: from unpinned memory).
+        matmul_us / fp32_matmul_us: time per step in matmul ops, and in those with float32 inputs.
+        misaligned_matmuls: ``(op, shapes)`` of matmuls with a matrix dimension not a multiple of 8.
+        misaligned_matmul_us: time per step in those matmuls.
+        top_ops: ``(op, calls, self_cpu_us)`` of the most expensive host-side ops, per step.
+        trace_path: the gzipped Chrome trace, or ``None`` (not written, or too large).
+        notes: what went differently (trace deleted, window cut short).
+    """
+
+    steps: int
+    step_wall_us: float | None = None
+    device_busy_us: float = 0.0
+    kernel_count: float = 0.0
+    median_kernel_us: float | None = None
+    h2d_us: float = 0.0
+    h2d_pageable_us: float = 0.0
+    matmul_us: float = 0.0
+    fp32_matmul_us: float = 0.0
+    misaligned_matmuls: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
+    misaligned_matmul_us: float = 0.0
+    top_ops: tuple[tuple[str, int, float], ...] = ()
+    trace_path: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "step_wall_us": self.step_wall_us,
+            "device_busy_us": self.device_busy_us,
+            "kernel_count": self.kernel_count,
+            "median_kernel_us": self.median_kernel_us,
+            "h2d_us": self.h2d_us,
+            "h2d_pageable_us": self.h2d_pageable_us,
+            "matmul_us": self.matmul_us,
+            "fp32_matmul_us": self.fp32_matmul_us,
+            "misaligned_matmuls": [[op, [list(s) for s in shapes]] for op, shapes in self.misaligned_matmuls],
+            "misaligned_matmul_us": self.misaligned_matmul_us,
+            "top_ops": [list(row) for row in self.top_ops],
+            "trace_path": self.trace_path,
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProfileSummary:
+        values = dict(data)
+        values["misaligned_matmuls"] = tuple(
+            (op, tuple(tuple(s) for s in shapes)) for op, shapes in values.get("misaligned_matmuls", ())
+        )
+        values["top_ops"] = tuple(tuple(row) for row in values.get("top_ops", ()))
+        values["notes"] = tuple(values.get("notes", ()))
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One conclusion of the report.
+
+    Attributes:
+        id: stable id (one of :data:`FINDING_IDS`).
+        severity: ``"info"``, ``"warning"`` or ``"critical"``.
+        title: one line for people.
+        evidence: the numbers behind it (JSON-ready).
+        advice: what to change, most effective first.
+    """
+
+    id: str
+    severity: str
+    title: str
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    advice: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "severity": self.severity,
+            "title": self.title,
+            "evidence": dict(self.evidence),
+            "advice": list(self.advice),
+        }
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """What the monitor measured over a run: the input of the rules. Unknown is ``None``.
+
+    Times are means per step over the run, leaving out the first step (data-loader start, lazy inits).
+    ``peak_memory_source`` is ``"cuda_allocated"`` (``torch.cuda.max_memory_allocated``) or ``"rss"``
+    (the process's peak resident set size, which includes the interpreter and libraries).
+    """
+
+    steps: int = 0
+    duration_s: float | None = None
+    step_time_s: float | None = None
+    data_wait_s: float | None = None
+    data_wait_share: float | None = None
+    max_interval_data_wait_share: float | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    flops_per_step: float | None = None
+    mfu: float | None = None
+    peak_memory_bytes: int | None = None
+    peak_memory_source: str | None = None
+    capacity_bytes: int | None = None
+    estimated_peak_bytes: int | None = None
+    gpu_util_percent: float | None = None
+    process_cpu_percent: float | None = None
+    device: str = "cpu"
+    device_kind: str = "cpu"
+    device_name: str | None = None
+    precision: str | None = None
+    float32_matmul_precision: str = "highest"
+    tensor_cores: bool = False
+    bf16_supported: bool = False
+    tf32_supported: bool = False
+    loader_info: Mapping[str, Any] = field(default_factory=dict)
+    available_cores: int | None = None
+    cpu_count: int | None = None
+    world_size: int = 1
+    stall_threshold: float = 0.05
+    profile: ProfileSummary | None = None
+    notes: tuple[str, ...] = ()
+    oom: Mapping[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["loader_info"] = dict(self.loader_info)
+        out["profile"] = None if self.profile is None else self.profile.to_dict()
+        out["notes"] = list(self.notes)
+        out["oom"] = None if self.oom is None else dict(self.oom)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunStats:
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if values.get("profile") is not None:
+            values["profile"] = ProfileSummary.from_dict(values["profile"])
+        values["notes"] = tuple(values.get("notes", ()))
+        return cls(**values)
+
+
+def available_cores() -> int | None:
+    """CPU cores this process may run on (``os.sched_getaffinity``), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()

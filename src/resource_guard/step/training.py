@@ -1,0 +1,160 @@
+"""One training step, written once and used by the estimator (on fake tensors) and by measurement.
+
+A step is: forward (under autocast for ``*-mixed``), loss, backward (scaled for ``16-mixed``),
+optimizer step (with unscale), ``zero_grad(set_to_none=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from resource_guard.errors import ConfigurationError
+from resource_guard.step.precision import PrecisionSpec, autocast_context
+
+__all__ = [
+    "LossFn",
+    "OptimizerArg",
+    "default_loss_fn",
+    "call_loss_fn",
+    "map_tensors",
+    "iter_tensors",
+    "batch_size_of",
+]
+
+LossFn = Callable[[nn.Module, Any], Any]
+# an optimizer over the model's parameters, or a factory ``params -> Optimizer``
+OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """Apply ``fn`` to every tensor in a nested batch; containers keep their type.
+
+    Handles tensors, mappings, lists, tuples, namedtuples and dataclass instances; other leaves are
+    returned unchanged.
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        items = {k: map_tensors(fn, v) for k, v in obj.items()}
+        try:
+            return type(obj)(items)  # type: ignore[call-arg]
+        except TypeError:
+            return items
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def iter_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested batch, in order."""
+    found: list[torch.Tensor] = []
+
+    def visit(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    map_tensors(visit, obj)
+    return found
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The leading dimension shared by the batch's tensors, or ``None`` when it cannot be told."""
+    sizes = {t.shape[0] for t in iter_tensors(batch) if t.dim() > 0}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def default_loss_fn(model: nn.Module, batch: Any) -> Any:
+    """Call the model the usual way and return its output.
+
+    A Mapping batch → ``model(**batch)``; a tuple/list → ``model(*batch)``; else ``model(batch)``.
+    """
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return model(*batch)
+    return model(batch)
+
+
+def _as_loss(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        if output.numel() == 1:
+            return output.reshape(())
+        raise ConfigurationError(
+            f"the model returned a tensor of shape {tuple(output.shape)}, not a scalar loss; pass "
+            "`loss_fn=lambda model, batch: ...` that returns the scalar loss."
+        )
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss.reshape(())
+    if isinstance(loss, torch.Tensor):
+        raise ConfigurationError(
+            f"the output's loss has shape {tuple(loss.shape)}, not a scalar; reduce it (e.g. `.mean()`) in "
+            "the model or the loss function (`loss_fn=lambda model, batch: ...`)."
+        )
+    raise ConfigurationError(
+        f"cannot find a scalar loss in the model's output ({type(output).__name__}): it is neither a "
+        "scalar tensor nor has `.loss` / `['loss']`; pass `loss_fn=lambda model, batch: ...` that returns it."
+    )
+
+
+def call_loss_fn(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """Run ``loss_fn`` (or the default) and return a scalar loss tensor that autograd can differentiate."""
+    loss = _as_loss((loss_fn or default_loss_fn)(model, batch))
+    if not loss.requires_grad:
+        raise ConfigurationError(
+            f"the loss ({loss.dtype}) does not require grad, so backward has nothing to differentiate: "
+            "compute it from the model's output, outside `torch.no_grad()` / `torch.inference_mode()` and "
+            "without `.detach()` or `.item()`."
+        )
+    return loss
+
+
+def training_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    loss_fn: LossFn | None,
+    spec: PrecisionSpec,
+    device_type: str,
+    *,
+    on_phase: Callable[[str], None] | None = None,
+    loss_scale: float | None = None,
+    optimizer_step: Callable[[], None] | None = None,
+) -> None:
+    """One full training step. ``on_phase`` is told "forward", "backward", "optimizer", "zero_grad".
+
+    ``loss_scale`` stands for a GradScaler's scale (``16-mixed``): the loss is multiplied by it and the
+    gradients divided by it before the step, as ``GradScaler.unscale_`` does. ``optimizer_step``
+    replaces ``optimizer.step()`` (the estimator uses it to trace each optimizer code path).
+    """
+    notify = on_phase or (lambda _phase: None)
+    notify("forward")
+    with autocast_context(spec, device_type):
+        loss = call_loss_fn(model, batch, loss_fn)
+    notify("backward")
+    if loss_scale is not None:
+        (loss.float() * loss_scale).backward()
+    else:
+        loss.backward()
+    del loss
+    notify("optimizer")
+    if loss_scale is not None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / loss_scale)
+    (optimizer_step or optimizer.step)()
+    notify("zero_grad")
+    optimizer.zero_grad(set_to_none=True)
+    notify("done")

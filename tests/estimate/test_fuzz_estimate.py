@@ -1,0 +1,215 @@
+"""Fuzzing the estimator against real CPU steps (hypothesis).
+
+Random small MLPs, conv nets (with or without BatchNorm) and recurrent nets (LSTM/GRU), batch sizes,
+precisions (``32-true``, ``bf16-mixed``, ``16-mixed``) and optimizers (SGD with and without momentum,
+Adam, AdamW) are estimated with ``estimate_memory(..., device="cpu")`` and run for real on deep
+copies with :func:`~resource_guard.estimate.measure.measure_training_step` (the profiler's memory records).
+
+Tolerance, the property every case must hold:
+
+    estimate >= real - max(2% of real, 64 KiB)
+
+2% is DESIGN.md's "never under by more than 2%". The 64 KiB floor is for tiny models (tens of KiB of
+tensors), where a handful of bytes the profiler charges to the step and the estimator does not see —
+the loss scalar, a GradScaler-style ``1/scale`` 0-d tensor, the allocator's 64-byte alignment of tiny
+tensors that differ by kernel — are a large share of the total yet irrelevant to any capacity
+decision (no device is sized within 64 KiB). A trace that cannot run must fall back to the analytic
+estimate, which must be conservative: ``estimate >= real`` with no tolerance. No case may raise.
+
+Repeatability: ``derandomize=True`` (the examples are a function of the test's code), no database.
+The default run (30 cases) takes ~20 s on 2 cores; the ``slow`` variant (120 cases) ~80 s.
+Observed over ~500 fuzzed cases: every case traced (no fallback); estimate / real - 1 between -0.9%
+and +1.7%, median 0; the largest shortfalls are a few bytes on tiny models (the 64 KiB floor) and
+< 1% (under 7 KiB) on small bidirectional LSTMs (oneDNN workspace probes).
+Cases that once failed are kept as regular tests at the bottom.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from resource_guard import estimate_memory
+from resource_guard.errors import ResourceGuardWarning
+from resource_guard.estimate import measure_training_step
+
+TOLERANCE_FRACTION = 0.02
+TOLERANCE_FLOOR_BYTES = 64 * 1024
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One fuzzed configuration (hashable and printable, so hypothesis can shrink and report it)."""
+
+    kind: str  # "mlp", "conv", "lstm", "gru"
+    widths: tuple[int, ...]
+    batch_size: int
+    precision: str
+    optimizer: str
+    batch_norm: bool = False
+    extent: int = 8  # image side (conv) or sequence length (recurrent)
+    layers: int = 1  # recurrent layers
+    bidirectional: bool = False
+
+
+def build(case: Case) -> tuple[nn.Module, Any, Any, Any]:
+    """The model, an optimizer factory, a batch and a loss function for ``case`` (seeded)."""
+    torch.manual_seed(0)
+    w = case.widths
+    if case.kind == "mlp":
+        layers: list[nn.Module] = []
+        for a, b in zip(w, w[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        model: nn.Module = nn.Sequential(*layers[:-1])
+        batch: Any = (torch.randn(case.batch_size, w[0]), torch.randint(0, w[-1], (case.batch_size,)))
+
+        def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+            return nn.functional.cross_entropy(m(b[0]), b[1])
+
+    elif case.kind == "conv":
+        layers = []
+        for a, b in zip(w, w[1:]):
+            layers.append(nn.Conv2d(a, b, 3, padding=1))
+            if case.batch_norm:
+                layers.append(nn.BatchNorm2d(b))
+            layers.append(nn.ReLU())
+        model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(w[-1], 4))
+        batch = (
+            torch.randn(case.batch_size, w[0], case.extent, case.extent),
+            torch.randint(0, 4, (case.batch_size,)),
+        )
+
+        def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+            return nn.functional.cross_entropy(m(b[0]), b[1])
+
+    else:
+        model = Recurrent(case)
+        batch = torch.randn(case.batch_size, case.extent, w[0])
+
+        def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+            return m(b).square().mean()
+
+    return model, optimizer_factory(case.optimizer), batch, loss_fn
+
+
+class Recurrent(nn.Module):
+    def __init__(self, case: Case) -> None:
+        super().__init__()
+        cls = nn.LSTM if case.kind == "lstm" else nn.GRU
+        hidden = case.widths[1]
+        self.rnn = cls(
+            case.widths[0], hidden, num_layers=case.layers, batch_first=True, bidirectional=case.bidirectional
+        )
+        self.head = nn.Linear(hidden * (2 if case.bidirectional else 1), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+def optimizer_factory(name: str) -> Any:
+    def make(params: Any) -> torch.optim.Optimizer:
+        if name == "sgd":
+            return torch.optim.SGD(params, lr=0.01)
+        if name == "sgd-momentum":
+            return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        if name == "adam":
+            return torch.optim.Adam(params, lr=1e-3)
+        return torch.optim.AdamW(params, lr=1e-3)
+
+    return make
+
+
+#: Configurations PyTorch itself cannot run on a CPU, so there is no ground truth to compare with: an
+#: LSTM under fp16 autocast fails in oneDNN ("could not create a primitive descriptor for the LSTM
+#: forward propagation primitive") on CPUs without native fp16 (it runs on CUDA). The estimate must
+#: still be made without error; ``test_lstm_16_mixed_is_estimated_though_the_cpu_cannot_run_it``.
+CPU_CANNOT_RUN = {("lstm", "16-mixed")}
+
+
+def compare(case: Case) -> tuple[Any, Any]:
+    """Estimate and measure ``case``; assert the property. Returns ``(estimate, measured)``."""
+    model, make_optimizer, batch, loss_fn = build(case)
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceGuardWarning)
+        est = estimate_memory(model, make_optimizer, batch, loss_fn, precision=case.precision, device="cpu")
+    try:
+        real = measure_training_step(
+            twin, make_optimizer(list(twin.parameters())), batch, loss_fn, precision=case.precision
+        )
+    except RuntimeError:
+        if (case.kind, case.precision) in CPU_CANNOT_RUN:
+            return est, None  # no reference: see CPU_CANNOT_RUN below
+        raise
+    if est.method == "analytic":  # a fallback is allowed, but only when it says why and is conservative
+        assert any("analytic" in str(w.message) for w in caught), case
+        assert est.peak_bytes >= real.peak_bytes, (case, est.peak_bytes, real.peak_bytes)
+    else:
+        slack = max(TOLERANCE_FRACTION * real.peak_bytes, TOLERANCE_FLOOR_BYTES)
+        assert est.peak_bytes >= real.peak_bytes - slack, (case, est.peak_bytes, real.peak_bytes)
+    return est, real
+
+
+# -- strategies -------------------------------------------------------------------------------------
+widths = st.integers(min_value=1, max_value=96)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    kind = draw(st.sampled_from(("mlp", "conv", "lstm", "gru")))
+    common = {
+        "batch_size": draw(st.integers(min_value=1, max_value=48)),
+        "precision": draw(st.sampled_from(PRECISIONS)),
+        "optimizer": draw(st.sampled_from(OPTIMIZERS)),
+    }
+    if kind == "mlp":
+        return Case(kind, tuple(draw(st.lists(widths, min_size=2, max_size=5))), **common)
+    if kind == "conv":
+        chans = tuple(draw(st.lists(st.integers(1, 16), min_size=2, max_size=4)))
+        extent = draw(st.integers(min_value=1, max_value=16))
+        return Case(kind, chans, batch_norm=draw(st.booleans()), extent=extent, **common)
+    return Case(
+        kind,
+        (draw(st.integers(1, 32)), draw(st.integers(1, 48))),
+        extent=draw(st.integers(min_value=1, max_value=12)),
+        layers=draw(st.integers(min_value=1, max_value=2)),
+        bidirectional=draw(st.booleans()),
+        **common,
+    )
+
+
+_COMMON = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings(max_examples=30, **_COMMON)
+@given(case=cases())
+def test_estimate_is_never_under_a_real_cpu_step(case: Case) -> None:
+    compare(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=120, **_COMMON)
+@given(case=cases())
+def test_estimate_is_never_under_a_real_cpu_step_many(case: Case) -> None:
+    compare(case)
+
+
+# -- cases found by fuzzing, kept as regular tests --------------------------------------------------
+def test_lstm_16_mixed_is_estimated_though_the_cpu_cannot_run_it() -> None:
+    """Found by the fuzzer: the reference step raises in oneDNN; the estimate must still be made."""
+    case = Case("lstm", (1, 1), batch_size=1, precision="16-mixed", optimizer="sgd", extent=1)
+    est, _ = compare(case)
+    assert est.method == "trace"
+    assert est.peak_bytes >= est.breakdown["parameters"] + est.breakdown["gradients"] > 0

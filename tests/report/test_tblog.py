@@ -1,0 +1,184 @@
+"""Tests for resource_guard.report.tensorboard: scalars, layout, text, the memory picture, a real TensorBoard.
+
+One slow test starts ``tensorboard --logdir`` on loopback and asks its HTTP API for the scalar tags
+and the report text of a monitored CPU run.
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
+
+from resource_guard.estimate import estimate_memory
+from resource_guard.observe.monitor import RunMonitor
+from resource_guard.report import tensorboard as tblog
+from resource_guard.report.tensorboard import TBLog, custom_scalar_layout, memory_picture, png_bytes
+
+RED = np.array([220, 0, 0])
+
+
+def _accumulator(log_dir: Path) -> EventAccumulator:
+    ea = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0, "images": 0})
+    ea.Reload()
+    return ea
+
+
+def test_docstring_examples_run() -> None:
+    assert doctest.testmod(tblog).failed == 0
+
+
+def test_layout_groups_related_curves_under_the_prefix() -> None:
+    charts = custom_scalar_layout()["resource_guard"]
+    kind, regexes = charts["step time split (s)"]
+    assert kind == "Multiline" and all(r.startswith("^resource_guard/time/") for r in regexes)
+    assert any("data_wait_share" in r for r in charts["data wait share"][1])
+
+
+def test_scalars_text_and_image_land_in_the_event_file(tmp_path: Path) -> None:
+    log = TBLog(log_dir=tmp_path)
+    log.layout()
+    log.scalars(3, {"time/step_s": 0.5, "skip/none": None, "skip/nan": float("nan")})
+    log.text("report", "# hello")
+    log.image("memory", np.zeros((4, 6, 3), dtype=np.uint8))
+    log.close()
+    log.close()
+    ea = _accumulator(tmp_path)
+    assert ea.Tags()["scalars"] == ["resource_guard/time/step_s"]
+    assert ea.Scalars("resource_guard/time/step_s")[0].step == 3
+    assert "resource_guard/report/text_summary" in ea.Tags()["tensors"]
+    assert "custom_scalars__config__" in ea.Tags()["tensors"]
+    image = ea.Images("resource_guard/memory")[0]
+    assert (image.width, image.height) == (6, 4)
+
+
+def test_the_private_file_writer_hook_still_exists(tmp_path: Path) -> None:
+    """``TBLog.scalars`` writes one event per step through ``SummaryWriter._get_file_writer``."""
+    writer = SummaryWriter(str(tmp_path))
+    assert tblog._file_writer(writer) is not None, "torch moved SummaryWriter._get_file_writer"
+    writer.close()
+
+
+def test_other_writers_get_add_scalar_calls() -> None:
+    calls: list[tuple[str, float, int]] = []
+
+    class Minimal:
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            calls.append((tag, value, step))
+
+    TBLog(Minimal()).scalars(2, {"a": 1.0, "b": None})
+    assert calls == [("resource_guard/a", 1.0, 2)]
+
+
+def test_a_given_writer_is_flushed_but_not_closed(tmp_path: Path) -> None:
+    writer = SummaryWriter(str(tmp_path))
+    log = TBLog(writer)
+    log.scalars(1, {"x": 1.0})
+    log.close()
+    writer.add_scalar("still/open", 1.0, 1)  # would raise if closed
+    writer.close()
+
+
+def test_tblog_needs_a_writer_or_a_log_dir() -> None:
+    with pytest.raises(ValueError, match="writer or a log_dir"):
+        TBLog().scalars(0, {"x": 1.0})
+
+
+def test_memory_picture_draws_the_capacity_when_it_is_near_the_peak() -> None:
+    timeline = [("forward", (100, 0, 0, 50, 0, 10, 0)), ("backward", (100, 80, 0, 20, 30, 10, 0))]
+
+    def red_pixels(image: np.ndarray) -> int:
+        return int((np.abs(image.astype(int) - RED).sum(axis=2) == 0).sum())
+
+    near = memory_picture(timeline, capacity_bytes=400, width=600, height=200)
+    assert near.shape == (200, 600, 3) and near.dtype == np.uint8
+    assert red_pixels(near) > 2 * (600 - 70 - 190)  # the 2-pixel capacity line across the plot
+    far = memory_picture(timeline, capacity_bytes=10**12, width=600, height=200)
+    assert red_pixels(far) < red_pixels(near) / 2  # off scale: written in the legend, not drawn
+    assert png_bytes(near).startswith(b"\x89PNG\r\n\x1a\n")
+    assert memory_picture([], None, width=120, height=80).shape == (160, 400, 3)
+
+
+def test_the_monitor_writes_the_picture_of_its_estimate(tmp_path: Path) -> None:
+    model = torch.nn.Linear(8, 4)
+    batch = torch.randn(16, 8)
+    est = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, lambda m, b: m(b).sum())
+    capacity = 4 * est.peak_bytes
+    mon = RunMonitor(
+        tmp_path, estimate=est, capacity_bytes=capacity, profile=False, interval_s=0.01, summary=False
+    )
+    mon.start()
+    mon.batch_ready(batch)
+    mon.step_end()
+    mon.close()
+    assert (tmp_path / "memory.png").read_bytes().startswith(b"\x89PNG")
+    assert "resource_guard/memory" in _accumulator(tmp_path).Tags()["images"]
+
+
+# -- a real TensorBoard ----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(port: int, path: str, **params: str) -> Any:
+    query = f"?{urllib.parse.urlencode(params)}" if params else ""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}{query}", timeout=5) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.slow
+def test_a_real_tensorboard_serves_the_scalars_and_the_report(tmp_path: Path) -> None:
+    mon = RunMonitor(tmp_path / "run", profile=False, interval_s=0.01, log_every_n_steps=2, summary=False)
+    mon.start()
+    for _ in range(5):
+        time.sleep(0.01)  # a slow loader
+        mon.batch_ready(torch.zeros(4, 3))
+        mon.step_end()
+    report = mon.close()
+    assert report is not None
+    exe = shutil.which("tensorboard")
+    cmd = [exe] if exe else [sys.executable, "-m", "tensorboard.main"]
+    port = _free_port()
+    proc = subprocess.Popen(
+        [*cmd, "--logdir", str(tmp_path), "--host", "127.0.0.1", "--port", str(port), "--load_fast", "false"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        tags: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "tensorboard exited"
+            try:
+                tags = _get(port, "/data/plugin/scalars/tags").get("run", {})
+                if tags:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        assert "resource_guard/time/data_wait_share" in tags and "resource_guard/time/step_s" in tags
+        text_tags = _get(port, "/data/plugin/text/tags")
+        assert "resource_guard/report/text_summary" in text_tags["run"]
+        texts = _get(port, "/data/plugin/text/text", run="run", tag="resource_guard/report/text_summary")
+        assert f"Verdict: {report.verdict}" in texts[-1]["text"]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

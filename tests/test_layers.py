@@ -1,0 +1,111 @@
+"""The package's folders are its layers: each imports only from the layers below it, with no circles.
+
+Every import counts, also those inside functions and under ``if TYPE_CHECKING:``: a circle that only
+the type checker sees is still a circle a reader has to untangle.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+import resource_guard
+
+PKG = Path(resource_guard.__file__).parent
+
+# lowest first; a module may import from its own layer and the ones before it
+LAYERS = (
+    ("errors",),
+    ("step",),
+    ("devices",),
+    ("estimate",),
+    ("planning",),
+    ("report",),
+    ("observe",),
+    ("frontdoors",),
+    ("cli", "demo"),
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules of this package that ``path`` imports, resolved to module names."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = importlib.util.resolve_name("." * node.level + base, package)
+            for alias in node.names:  # `from pkg import module` imports the module; else the name's module
+                found.add(f"{base}.{alias.name}" if _exists(f"{base}.{alias.name}") else base)
+    return {m for m in found if m.split(".")[0] == "resource_guard" and _exists(m)}
+
+
+def _exists(module: str) -> bool:
+    rel = Path(*module.split(".")[1:])
+    return (PKG / rel).with_suffix(".py").is_file() or (PKG / rel / "__init__.py").is_file()
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) - {_module_name(p)} for p in sorted(PKG.rglob("*.py"))}
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) == 1:  # the package's own __init__: the public API, above everything
+        return len(LAYERS)
+    for i, names in enumerate(LAYERS):
+        if parts[1] in names:
+            return i
+    return None
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    assert [m for m in _graph() if _layer(m) is None] == []
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    bad = [
+        f"{m} -> {dep}"
+        for m, deps in _graph().items()
+        for dep in deps
+        if _layer(dep) > _layer(m)  # type: ignore[operator]
+    ]
+    assert bad == []
+
+
+def test_no_import_circles() -> None:
+    graph = _graph()
+    # a package's __init__ re-exports its modules; an edge module -> its own package is the circle
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append([*stack[stack.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, [*stack, dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+@pytest.mark.parametrize("name", resource_guard.__all__)
+def test_public_api_imports_from_the_top(name: str) -> None:
+    assert getattr(resource_guard, name) is not None
