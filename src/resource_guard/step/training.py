@@ -132,14 +132,15 @@ class StandInLoss:
     """The loss to plan from when the training loop computes its own loss from the model's outputs.
 
     Calls the model as a training loop would: a Mapping batch → ``model(**batch)`` (only the keys
-    ``forward`` accepts), a tuple/list → ``model(*batch)`` without the trailing items ``forward`` does
-    not require (the targets of ``(inputs, targets)``), else ``model(batch)``. When the output carries a loss (a scalar, or
-    ``.loss`` / ``["loss"]``) that loss is used as is, exactly. Otherwise the outputs stand in for the
-    loss: each floating-point output tensor that requires grad (only ``logits`` when a mapping or
-    ``ModelOutput`` has them) goes through a float32 ``log_softmax`` over its last dimension and
-    ``nll_loss`` — the kernels, saved tensors and gradients of a cross-entropy over logits, the most
-    common loss. A loss that keeps more (label smoothing over an extra float32 copy, a loss on shifted
-    logits) is under-counted by that difference; pass ``loss_fn=`` for an exact estimate.
+    ``forward`` accepts), a tuple/list → ``model(*batch)`` without the trailing items ``forward``
+    does not require (the targets of ``(inputs, targets)``), else ``model(batch)``. When the output
+    carries a loss (a scalar, or ``.loss`` / ``["loss"]``) that loss is used as is, exactly.
+    Otherwise the outputs stand in for the loss: each floating-point output tensor that requires
+    grad (only ``logits`` when a mapping or ``ModelOutput`` has them) goes through a float32
+    ``log_softmax`` over its last dimension and ``nll_loss`` against class 0 — the kernels, saved
+    tensors and gradients of a cross-entropy over logits, the commonest loss. A loss that keeps more
+    (label smoothing, a float32 copy of shifted logits) is under-counted by that difference; pass
+    ``loss_fn=`` for an exact estimate.
 
     ``used`` becomes True once the outputs had to stand in; :attr:`REASON` says so in a plan.
 
