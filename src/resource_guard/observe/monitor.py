@@ -334,7 +334,7 @@ class RunMonitor(MonitorOutputs):
             flops_per_step=self.flops_per_step,
             peak_flops_per_s=self._peak_flops(),
             capacity_bytes=self._capacity(),
-            estimated_peak_bytes=self.estimate.peak_bytes if self.estimate is not None else None,
+            estimated_peak_bytes=self._estimated_peak_bytes(),
             precision=self.precision,
             loader_info=self.loader_info,
             world_size=self.world_size,

@@ -26,6 +26,7 @@ from resource_guard.report.findings import Report
 from resource_guard.report.tensorboard import memory_picture, png_bytes
 
 if TYPE_CHECKING:
+    from resource_guard.devices import DeviceSpec
     from resource_guard.estimate import MemoryEstimate
     from resource_guard.observe.sampler import Sampler
     from resource_guard.observe.throughput import StepTimer
@@ -44,6 +45,7 @@ class MonitorOutputs:
 
     device: torch.device
     estimate: MemoryEstimate | None
+    device_spec: DeviceSpec | None
     stall_threshold: float
     world_size: int
     rank: int
@@ -60,6 +62,7 @@ class MonitorOutputs:
     _guard: Callable[..., Any]
     _peak_flops: Callable[[], float | None]
     _capacity: Callable[[], int | None]
+    _comparable_estimate: int | None = None  # cached by _estimated_peak_bytes
     _collective_device: Callable[[], torch.device | None]
 
     @property
@@ -87,9 +90,7 @@ class MonitorOutputs:
             stall_threshold=self.stall_threshold,
             device_compute_s=device_compute_s,
             peak_bytes=peak,
-            estimated_peak_bytes=self.estimate.peak_bytes
-            if self._cuda and self.estimate is not None
-            else None,
+            estimated_peak_bytes=self._estimated_peak_bytes() if self._cuda else None,
             gpu_index=self.device.index or 0,
         )
         values = list(row.values())
@@ -107,6 +108,24 @@ class MonitorOutputs:
             return
         out = tensorboard_scalars(agg, maxes, gauges, world_size=self.world_size)
         self._guard("TensorBoard", lambda: self._tb.scalars(self._step, out), off="_tb")  # type: ignore[union-attr]
+
+    def _estimated_peak_bytes(self) -> int | None:
+        """The estimate of what this run measures: on CUDA the allocator model's
+        ``max_memory_allocated`` (tensor bytes rounded to the allocator's blocks) for the device, else
+        the live tensor bytes at the step's peak (reported, never compared with the CPU's RSS)."""
+        estimate = self.estimate
+        if estimate is None:
+            return None
+        if self._comparable_estimate is not None:
+            return self._comparable_estimate
+        value = estimate.peak_bytes
+        if self._cuda and self.device_spec is not None:
+            try:
+                value = estimate.for_device(self.device_spec).allocated_peak_bytes
+            except Exception:  # the allocator model is a refinement: fall back to the tensor peak
+                value = estimate.peak_bytes
+        self._comparable_estimate = value
+        return value
 
     def _peak_memory(self, gauges: Mapping[str, tuple[float, float]]) -> float | None:
         """The interval's peak: the CUDA allocator's (then reset), else the process's RSS high-water mark
