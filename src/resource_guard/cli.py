@@ -114,43 +114,9 @@ def _fit_rows(estimate: Any, device: Any, headroom: float, catalog: Any) -> tupl
 
 
 def _print_report(target: str, estimate: Any, fit: Any, others: list[Any], headroom: float) -> None:
-    out = print
-    count = estimate.parameter_count / 1e6
-    out(f"resource-guard preflight: {target}")
-    out(
-        f"  model {count:.1f}M parameters ({estimate.trainable_parameter_count / 1e6:.1f}M trainable), "
-        f"batch {estimate.batch_size if estimate.batch_size is not None else '?'}, {estimate.precision}, "
-        f"method {estimate.method}, {estimate.trace_seconds:.1f} s"
-    )
-    where = f"{estimate.peak_phase}, {estimate.peak_op}" if estimate.peak_phase else "analytic"
-    out(f"\none training step, live tensor memory at the peak ({where}):")
-    for name, value in estimate.breakdown.items():
-        out(f"  {name:<18}{format_bytes(value):>14}")
-    out(f"  {'peak':<18}{format_bytes(estimate.peak_bytes):>14}")
-    dev = fit.device
-    out(f"\non {dev.name} ({dev.kind}, {format_bytes(fit.capacity_bytes)}):")
-    rows = [
-        ("allocated peak (max_memory_allocated)", fit.allocated_peak_bytes),
-        ("reserved peak (max_memory_reserved)", fit.reserved_peak_bytes),
-        ("context + libraries", fit.context_bytes),
-        ("device total (as nvidia-smi shows)", fit.device_total_bytes),
-        (f"usable ({headroom:.0%} headroom kept free)", fit.usable_bytes),
-    ]
-    for label, value in rows:
-        out(f"  {label:<40}{format_bytes(value):>14}")
-    if fit.fits:
-        out(f"  FITS, {format_bytes(fit.usable_bytes - fit.device_total_bytes)} to spare within the headroom")
-    else:
-        out(
-            "  DOES NOT FIT: needs "
-            f"{format_bytes(fit.device_total_bytes - fit.usable_bytes)} more than usable"
-        )
-    if others:
-        yes = [f.device.name for f in others if f.fits]
-        no = [f.device.name for f in others if not f.fits]
-        out(f"\nother devices: fits on {', '.join(yes) or 'none'}; not on {', '.join(no) or 'none'}")
-    for note in estimate.warnings:
-        out(f"note: {note}")
+    from resource_guard.report.terminal import render_preflight
+
+    render_preflight(target, estimate, fit, others, headroom)
 
 
 def _preflight(args: argparse.Namespace) -> int:
@@ -192,23 +158,9 @@ def _devices(args: argparse.Namespace) -> int:
         rows = [_spec_dict(catalog.get(n)) for n in catalog.names()]
         print(json.dumps({"catalog": rows, "detected": [_spec_dict(d) for d in local]}, indent=2))
         return 0
-    print(
-        f"{'name':<14}{'kind':<6}{'memory':>12}  {'bf16':<5}{'cc':<5}"
-        f"{'bf16 TFLOP/s':>13}{'GB/s':>8}{'$/h':>7}"
-    )
-    for name in catalog.names():
-        d = catalog.get(name)
-        bf16 = d.peak_tflops.get("bf16")
-        print(
-            f"{d.name:<14}{d.kind:<6}{format_bytes(d.memory_bytes):>12}  {'yes' if d.bf16 else 'no':<5}"
-            f"{d.compute_capability or '-':<5}{(f'{bf16:g}' if bf16 else '-'):>13}"
-            f"{(f'{d.memory_bandwidth_gbps:g}' if d.memory_bandwidth_gbps else '-'):>8}"
-            f"{(f'{d.price_per_hour_usd:.2f}' if d.price_per_hour_usd else '-'):>7}"
-        )
-    print("\ndetected on this machine:")
-    for d in local:
-        free = f", {format_bytes(d.free_bytes)} free" if d.free_bytes is not None else ""
-        print(f"  {d.name:<10}{d.kind:<6}{format_bytes(d.memory_bytes)}{free}  {d.display_name}")
+    from resource_guard.report.terminal import render_devices
+
+    render_devices(catalog, local)
     return 0
 
 
@@ -230,7 +182,7 @@ def _spec_dict(d: Any) -> dict[str, Any]:
 def _report(args: argparse.Namespace) -> int:
     from resource_guard.report.findings import report_command
 
-    return report_command(args.logdir, as_json=args.json)
+    return report_command(args.logdir, as_json=args.json, as_markdown=args.markdown)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -238,16 +190,26 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.steps <= 0:
         raise _BadInput(f"--steps {args.steps} must be a positive integer.")
+    from resource_guard.planning.nofit import NoFitReport
+    from resource_guard.report.terminal import make_console, render_nofit, render_plan, render_report
+
+    console = make_console()
     try:
         g = run_demo(args.steps, log_dir=args.log_dir, memory_limit=args.memory_limit or None)
     except DoesNotFitError as exc:
-        print(str(exc))
+        if isinstance(exc.report, NoFitReport):
+            render_nofit(exc.report, console)
+        else:
+            console.print(str(exc))
         return 1
     assert g.plan is not None
-    print(g.plan.summary())
-    print()
-    print(g.report.to_markdown() if g.report is not None else "(monitoring was off: no report)")
-    print(
+    render_plan(g.plan, console)
+    console.print()
+    if g.report is not None:
+        render_report(g.report, console)
+    else:
+        console.print("(monitoring was off: no report)")
+    console.print(
         f"\nLogs: {args.log_dir}  (tensorboard --logdir {args.log_dir}; resource-guard report {args.log_dir})"
     )
     return 0
@@ -284,7 +246,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     rep = sub.add_parser("report", help="print the bottleneck report of a finished run")
     rep.add_argument("logdir", help="the run's log dir (report.json in it or in a directory below it)")
-    rep.add_argument("--json", action="store_true", help="print report.json instead of markdown")
+    shown = rep.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="print report.json instead of the tables")
+    shown.add_argument("--markdown", action="store_true", help="print the report as Markdown (report.md)")
     return parser
 
 

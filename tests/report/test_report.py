@@ -206,9 +206,14 @@ def _write(directory: Path) -> Report:
     return r
 
 
-def test_report_command_prints_markdown_or_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_command_prints_tables_markdown_or_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     r = _write(tmp_path / "lightning_logs" / "version_0")
     assert report_command(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "verdict input-bound" in out and "**" not in out and "\x1b[" not in out
+    assert report_command(str(tmp_path), as_markdown=True) == 0
     assert capsys.readouterr().out.strip() == r.to_markdown().strip()
     assert report_command(str(tmp_path / "lightning_logs" / "version_0"), as_json=True) == 0
     assert json.loads(capsys.readouterr().out)["verdict"] == "input-bound"
@@ -227,6 +232,8 @@ def test_cli_report_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
     r = _write(tmp_path)
     assert main(["report", str(tmp_path)]) == 0
+    assert f"verdict {r.verdict}" in capsys.readouterr().out
+    assert main(["report", str(tmp_path), "--markdown"]) == 0
     assert f"**Verdict: {r.verdict}**" in capsys.readouterr().out
     assert main(["report", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["findings"][0]["id"] == "input-bound"

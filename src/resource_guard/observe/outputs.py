@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -205,11 +204,12 @@ class MonitorOutputs:
 
 def console_summary(report: Report) -> None:
     """The one-line summary and the findings: to the ``resource_guard`` logger at INFO when it is enabled
-    for INFO, else to stderr."""
-    line = report.summary_line()
-    extra = [f"  {f.id} ({f.severity}): {f.title}" for f in report.findings if f.id != "healthy"]
-    text = "\n".join([line, *extra])
+    for INFO (plain text), else to stderr, rendered for the terminal (colour only on a TTY)."""
     if _log.isEnabledFor(logging.INFO):
-        _log.info(text)
+        line = report.summary_line()
+        extra = [f"  {f.severity} {f.id}: {f.title}" for f in report.findings if f.id != "healthy"]
+        _log.info("\n".join([line, *extra]))
     else:
-        print(text, file=sys.stderr)
+        from resource_guard.report.terminal import render_summary
+
+        render_summary(report)
