@@ -23,12 +23,12 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -36,12 +36,17 @@ from torch import nn
 from resource_guard.devices import Catalog, DeviceSpec, format_bytes, load_catalog, resolve_device
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.planning.planner import Plan, choose_precision, plan
+from resource_guard.planning.projection_result import (
+    Projection,
+    ProjectionRow,
+    remaining_run,
+    training_samples,
+)
 from resource_guard.planning.steptime import (
     DEFAULT_EFFICIENCY,
     Calibration,
     Interconnect,
     StepFlops,
-    StepTime,
     count_step_flops,
     step_time,
     tokens_per_sample,
@@ -51,164 +56,8 @@ from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of
 
 __all__ = ["Projection", "ProjectionRow", "project_training", "remaining_run", "training_samples"]
 
+
 _GPU_KINDS = ("cuda", "rocm")
-
-
-@dataclass(frozen=True)
-class ProjectionRow:
-    """One device × GPU count: the plan, the step time, hours and cost (``None``: unknown / no fit)."""
-
-    device: str
-    gpus: int
-    nodes: int
-    fits: bool
-    plan: dict[str, Any] | None = None
-    step_s: float | None = None
-    hours: float | None = None
-    usd_per_hour: float | None = None
-    cost_usd: float | None = None
-    calibrated: bool = False
-    recommended: tuple[str, ...] = ()
-    reason: str = ""
-    bound: str | None = None
-    efficiency: float | None = None
-    time: StepTime | None = field(default=None, repr=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        t = self.time
-        return {
-            "device": self.device,
-            "gpus": self.gpus,
-            "nodes": self.nodes,
-            "fits": self.fits,
-            "plan": self.plan,
-            "step_s": self.step_s,
-            "hours": self.hours,
-            "usd_per_hour": self.usd_per_hour,
-            "cost_usd": self.cost_usd,
-            "calibrated": self.calibrated,
-            "recommended": list(self.recommended),
-            "reason": self.reason,
-            "bound": self.bound,
-            "efficiency": self.efficiency,
-            "flops_per_step": None if t is None else t.flops,
-            "compute_s": None if t is None else t.compute_s,
-            "memory_s": None if t is None else t.memory_s,
-            "comm_s": None if t is None else t.comm_s,
-        }
-
-
-@dataclass(frozen=True)
-class Projection:
-    """The rows, sorted by cost (fitting rows with a price first, then by hours; non-fitting last)."""
-
-    rows: tuple[ProjectionRow, ...]
-    train_samples: int
-    target_batch_size: int
-    optimizer_steps: int
-    tokens_per_sample: int | None
-    flops: StepFlops
-    efficiency: float
-    calibration: Calibration | None
-    interconnect: Interconnect
-    plan_calls: int
-    seconds: float
-
-    def recommended(self, label: str) -> ProjectionRow | None:
-        """The row marked ``label`` (``"cheapest"`` or ``"fastest"``), or None."""
-        return next((r for r in self.rows if label in r.recommended), None)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "train_samples": self.train_samples,
-            "target_batch_size": self.target_batch_size,
-            "optimizer_steps": self.optimizer_steps,
-            "tokens_per_sample": self.tokens_per_sample,
-            "flops_per_sample": self.flops.forward_per_sample + self.flops.backward_per_sample,
-            "efficiency": self.efficiency,
-            "calibration": None if self.calibration is None else vars(self.calibration),
-            "interconnect": vars(self.interconnect),
-            "plan_calls": self.plan_calls,
-            "seconds": self.seconds,
-            "projection": [r.to_dict() for r in self.rows],
-        }
-
-    def table(self) -> str:
-        """A markdown table of the rows."""
-        head = "| device | GPUs | plan | step | hours | $/h/GPU | cost | bound | |"
-        lines = [head, "|---|---:|---|---:|---:|---:|---:|---|---|"]
-        for r in self.rows:
-            mark = " ".join(f"**{m}**" for m in r.recommended) + (" (calibrated)" if r.calibrated else "")
-            if not r.fits:
-                lines.append(f"| {r.device} | {_gpus(r)} | does not fit: {r.reason} | | | | | | |")
-                continue
-            lines.append(
-                f"| {r.device} | {_gpus(r)} | {_plan_text(r.plan)} | {_num(r.step_s, 's')} | {_num(r.hours)} "
-                f"| {_num(r.usd_per_hour, '', '$')} | {_num(r.cost_usd, '', '$')} | {r.bound} | {mark} |"
-            )
-        return "\n".join(lines)
-
-
-def _gpus(r: ProjectionRow) -> str:
-    return f"{r.nodes}×{r.gpus // r.nodes}" if r.nodes > 1 else str(r.gpus)
-
-
-def _num(value: float | None, unit: str = "", prefix: str = "") -> str:
-    if value is None:
-        return "-"
-    text = f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
-    return f"{prefix}{text}{unit}"
-
-
-def _plan_text(p: dict[str, Any] | None) -> str:
-    if not p:
-        return "-"
-    ckpt = " +ckpt" if p.get("checkpointing") else ""
-    return f"{p['micro_batch_size']}×{p['accumulation_steps']} {p['precision']} {p['strategy']}{ckpt}"
-
-
-def training_samples(
-    batch: Any,
-    *,
-    train_samples: int | None = None,
-    train_tokens: int | None = None,
-    epochs: float | None = None,
-    dataset_size: int | None = None,
-) -> int:
-    """The number of training samples from exactly one of samples, tokens, or epochs × dataset size."""
-    given = [
-        train_samples is not None,
-        train_tokens is not None,
-        epochs is not None or dataset_size is not None,
-    ]
-    if sum(given) != 1:
-        raise ConfigurationError(
-            "give exactly one of `train_samples`, `train_tokens`, or `epochs` with `dataset_size` "
-            f"(got train_samples={train_samples!r}, train_tokens={train_tokens!r}, epochs={epochs!r}, "
-            f"dataset_size={dataset_size!r})"
-        )
-    for name, value in (
-        ("train_samples", train_samples),
-        ("train_tokens", train_tokens),
-        ("dataset_size", dataset_size),
-    ):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigurationError(f"`{name}={value!r}` must be an int >= 1")
-    if train_samples is not None:
-        return train_samples
-    if train_tokens is not None:
-        per_sample = tokens_per_sample(batch)
-        if per_sample is None:
-            raise ConfigurationError(
-                f"`train_tokens={train_tokens}`: the batch has no 2-D integer tensor of token ids to tell the "
-                "tokens per sample; give `train_samples` instead"
-            )
-        return math.ceil(train_tokens / per_sample)
-    if epochs is None or dataset_size is None:
-        raise ConfigurationError("`epochs` and `dataset_size` go together: give both")
-    if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0:
-        raise ConfigurationError(f"`epochs={epochs!r}` must be a number > 0")
-    return math.ceil(epochs * dataset_size)
 
 
 def project_training(
@@ -227,6 +76,7 @@ def project_training(
     max_hours: float | None = None,
     max_cost: float | None = None,
     precision: str = "auto",
+    checkpointing: bool | str = "auto",
     headroom: float = 0.1,
     efficiency: float | None = None,
     calibration: Calibration | None = None,
@@ -242,7 +92,7 @@ def project_training(
         devices: catalog names or specs (default: every CUDA/ROCm device of the catalog).
         gpus: GPU counts; above ``interconnect.gpus_per_node`` a count must fill whole nodes.
         max_hours / max_cost: limits for the recommendation (USD for the whole training).
-        precision, headroom: passed to ``plan``.
+        precision, checkpointing, headroom: passed to ``plan``.
         efficiency: share of the peak FLOP/s reached (default :data:`DEFAULT_EFFICIENCY`).
         calibration: a monitored run's throughput; replaces ``efficiency`` (rows say ``calibrated``).
         interconnect: the links data parallelism uses (default :class:`Interconnect`).
@@ -288,7 +138,17 @@ def project_training(
     if calibrated_eff is not None:
         eff = calibrated_eff
 
-    planner = _Planner(model, optimizer, batch, loss_fn, target, precision, headroom, cat)
+    planner = _Planner(
+        model,
+        optimizer,
+        batch,
+        loss_fn,
+        target,
+        precision,
+        checkpointing=checkpointing,
+        headroom=headroom,
+        catalog=cat,
+    )
     rows: list[ProjectionRow] = []
     for spec in sorted(specs, key=lambda s: s.memory_bytes):
         for n in counts:
@@ -325,17 +185,9 @@ class _Planner:
     are a few percent of the peak, far inside that margin).
     """
 
-    def __init__(self, *args: Any) -> None:
-        (
-            self.model,
-            self.optimizer,
-            self.batch,
-            self.loss_fn,
-            self.target,
-            self.precision,
-            self.headroom,
-            self.catalog,
-        ) = args
+    def __init__(self, *args: Any, checkpointing: bool | str, headroom: float, catalog: Catalog) -> None:
+        self.model, self.optimizer, self.batch, self.loss_fn, self.target, self.precision = args
+        self.checkpointing, self.headroom, self.catalog = checkpointing, headroom, catalog
         self.calls = 0
         self._plans: dict[tuple[Any, ...], Plan | DoesNotFitError] = {}
         self._roomy: dict[tuple[Any, ...], list[Plan]] = {}  # (kind, precision, gpus) -> free plans
@@ -371,6 +223,7 @@ class _Planner:
                     target_batch_size=self.target,
                     headroom=self.headroom,
                     precision=self.precision,
+                    checkpointing=self.checkpointing,
                     world_size=gpus,
                     catalog=self.catalog,
                 )
@@ -398,7 +251,12 @@ def _row(
     link: Interconnect,
 ) -> ProjectionRow:
     nodes = math.ceil(gpus / link.gpus_per_node)
-    base = {"device": spec.name, "gpus": gpus, "nodes": nodes, "usd_per_hour": spec.price_per_hour_usd}
+    base: dict[str, Any] = {
+        "device": spec.name,
+        "gpus": gpus,
+        "nodes": nodes,
+        "usd_per_hour": spec.price_per_hour_usd,
+    }
     refused = _refuse(spec, gpus, planner.target, link)
     if refused:
         return ProjectionRow(fits=False, reason=refused, **base)
@@ -530,9 +388,7 @@ def _recommend(
     out = []
     for r in rows:
         marks = tuple(m for m, best in (("cheapest", cheapest), ("fastest", fastest)) if r is best)
-        out.append(
-            ProjectionRow(**{**{k: getattr(r, k) for k in r.__dataclass_fields__}, "recommended": marks})
-        )
+        out.append(dataclasses.replace(r, recommended=marks))
     return out
 
 
@@ -542,24 +398,3 @@ def _sort_key(r: ProjectionRow) -> tuple[Any, ...]:
     if r.cost_usd is None:
         return (1, r.hours, r.device, r.gpus)
     return (0, r.cost_usd, r.hours, r.gpus)
-
-
-def remaining_run(
-    device: DeviceSpec | None, *, step_s: float, steps_done: int, total_steps: int, gpus: int = 1
-) -> dict[str, Any]:
-    """ETA and cost of a run's remaining optimizer steps at its measured step time and catalog price.
-
-    >>> remaining_run(None, step_s=2.0, steps_done=10, total_steps=1810)["eta_hours"]
-    1.0
-    """
-    left = max(total_steps - steps_done, 0)
-    hours = left * step_s / 3600
-    price = None if device is None else device.price_per_hour_usd
-    return {
-        "device": None if device is None else device.name,
-        "remaining_steps": left,
-        "step_s": step_s,
-        "eta_hours": hours,
-        "usd_per_hour": price,
-        "cost_usd": None if price is None else hours * price * gpus,
-    }

@@ -333,7 +333,8 @@ class Calibration:
         """From one measured step time and the FLOPs of that step."""
         if not step_s > 0 or not flops_per_step > 0:
             raise ConfigurationError(
-                f"`Calibration.from_step(step_s={step_s!r}, flops_per_step={flops_per_step!r})`: both must be > 0"
+                f"`Calibration.from_step(step_s={step_s!r}, flops_per_step={flops_per_step!r})`: "
+                "both must be > 0"
             )
         return cls(device, precision, flops_per_step / step_s, source)
 
