@@ -6,10 +6,10 @@ The model, per rank and per optimizer step (every number below is an assumption 
   matmuls, convolutions, attention), plus the forward FLOPs of the checkpointed modules again (the
   recompute), plus the optimizer's elementwise update (:data:`OPTIMIZER_FLOPS_PER_PARAM`).
 - **compute** = FLOPs ÷ (the device's dense peak for the precision's matmul dtype × ``efficiency``).
-  ``efficiency`` defaults to :data:`DEFAULT_EFFICIENCY` = 0.40: large transformer training reaches
-  30-50% model-FLOPs utilisation on A100/H100 (PaLM paper, Chowdhery et al. 2022, table 3: PaLM 46.2%,
-  MT-NLG 30.2%, Gopher 32.5%; llm-foundry's published MPT table, commit 8c8dd48, median 41% over its
-  A100/H100 rows). Small models reach less; a monitored run replaces it (:class:`Calibration`).
+  ``efficiency`` defaults to :data:`DEFAULT_EFFICIENCY` = 0.40: large-model training reaches 30-46%
+  model-FLOPs utilisation (PaLM paper, Chowdhery et al. 2022, table 3: PaLM 46.2%, MT-NLG 30.2%,
+  Gopher 32.5%); tuned runs reach more (llm-foundry's MPT table, commit 8c8dd48: median 47% on
+  A100/H100), small models far less. A monitored run replaces it (:class:`Calibration`).
 - **memory bound**: the step is never faster than the bytes it must move ÷ memory bandwidth: weights
   read in forward and backward (again for the recompute), saved activations written and read back,
   gradients accumulated, and the optimizer reading parameters, gradients and state and writing
