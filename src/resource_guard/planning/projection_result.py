@@ -16,7 +16,7 @@ from resource_guard.devices import DeviceSpec
 from resource_guard.errors import ConfigurationError
 from resource_guard.planning.steptime import Calibration, Interconnect, StepFlops, StepTime, tokens_per_sample
 
-__all__ = ["Projection", "ProjectionRow", "remaining_run", "training_samples"]
+__all__ = ["Projection", "ProjectionRow", "remaining_markdown", "remaining_run", "training_samples"]
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,24 @@ def remaining_run(
         "usd_per_hour": price,
         "cost_usd": None if price is None else hours * price * gpus,
     }
+
+
+def remaining_markdown(left: dict[str, Any]) -> str:
+    """One markdown line for :func:`remaining_run`'s result.
+
+    >>> remaining_markdown(remaining_run(None, step_s=2.0, steps_done=10, total_steps=1810))
+    '**Projection**: 1,800 steps left at 2 s/step: ETA 1.00 h; cost unknown (no catalog price)'
+    """
+    price = left.get("usd_per_hour")
+    cost = (
+        f"cost ${left['cost_usd']:,.2f} at ${price:g}/h per device ({left['device']})"
+        if price is not None and left.get("cost_usd") is not None
+        else "cost unknown (no catalog price)"
+    )
+    return (
+        f"**Projection**: {left['remaining_steps']:,} steps left at {left['step_s']:.3g} s/step: "
+        f"ETA {left['eta_hours']:.2f} h; {cost}"
+    )
 
 
 def training_samples(
