@@ -5,8 +5,8 @@ Part 1, CPU runs here. For each external model (``cases.py``: transformers confi
 (:class:`~resource_guard.planning.steptime.Calibration`: FLOPs counted on fake tensors ÷ measured
 time), which then predicts two other runs that are measured for real: the batch ``2B``, and the batch
 ``B`` with activation checkpointing (its recompute FLOPs added). Steps are timed interleaved (A, B,
-C, A, B, C, …; median of the repeats) so the load of a shared machine hits all alike. Target: every
-calibrated row within 15%.
+C, A, B, C, …; the fastest repeat, on one thread) so the load of a shared machine hits all alike.
+Target: every calibrated row within 15%.
 
 Part 2, public GPU figures. llm-foundry's published MPT training table (``scripts/train/benchmarking``
 at commit 8c8dd48f72168c5d51e2f7b151595892a8fba43d; ``/work/research/llm_foundry_runs.csv``): for every
@@ -100,7 +100,7 @@ def cpu_rows(repeats: int) -> list[dict[str, Any]]:
         for _ in range(repeats):
             for key, run in runs.items():
                 times[key].append(run())
-        measured = {k: statistics.median(v) for k, v in times.items()}
+        measured = {k: min(v) for k, v in times.items()}  # the least disturbed repeat
         flops = count_step_flops(model, optimizer, batch, loss_fn)
         cal = Calibration.from_step("cpu", "32-true", step_s=measured["B"], flops_per_step=flops.step(b))
         for key, target, use_ckpt, sample in (("2B", 2 * b, False, double), ("B+ckpt", b, True, batch)):
@@ -234,6 +234,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # one thread: steady timings on a shared machine
     result: dict[str, Any] = {}
     if not args.skip_cpu:
         print("CPU, 32-true: projected (calibrated on the B run) vs measured step time")

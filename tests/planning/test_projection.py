@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import json
 import math
 
@@ -80,7 +81,7 @@ def test_hours_scale_linearly_with_tokens_and_cost_is_hours_times_price_times_gp
 
 
 def test_a_faster_device_is_never_projected_slower_for_a_compute_bound_model():
-    peaks = [25, 50, 100, 400, 1600]
+    peaks = [0.001, 0.002, 0.004, 0.016]  # TFLOP/s low enough that this small model is compute-bound
     cat = Catalog([_gpu(f"d{p}", tflops=p) for p in peaks])
     rows = {r.device: r for r in _project(cat).rows}
     times = [rows[f"d{p}"].step_s for p in peaks]
@@ -102,7 +103,7 @@ def test_checkpointing_adds_the_forward_flops_of_the_checkpointed_blocks():
 
 
 def test_a_checkpointed_plan_costs_its_recompute():
-    cat = Catalog([_gpu("g")])
+    cat = Catalog([_gpu("g", tflops=0.004)])  # compute-bound
     rows = {}
     for ckpt in (False, True):
         proj = _project(cat, checkpointing=ckpt)
@@ -125,7 +126,7 @@ def test_a_device_where_nothing_fits_is_never_recommended():
 
 
 def test_limits_filter_the_recommendation():
-    cat = Catalog([_gpu("slow", tflops=10, price=0.1), _gpu("fast", tflops=1000, price=50.0)])
+    cat = Catalog([_gpu("slow", tflops=0.001, price=0.1), _gpu("fast", tflops=0.1, price=50.0)])
     free = _project(cat)
     assert free.recommended("cheapest").device == "slow" and free.recommended("fastest").device == "fast"
     slow_hours = next(r.hours for r in free.rows if r.device == "slow")
@@ -220,3 +221,20 @@ def test_training_samples_and_remaining_run():
     left = remaining_run(t4, step_s=3.6, steps_done=0, total_steps=1000, gpus=2)
     assert left["eta_hours"] == pytest.approx(1.0) and left["cost_usd"] == pytest.approx(2 * 0.526)
     assert math.isclose(remaining_run(None, step_s=1, steps_done=5, total_steps=3)["eta_hours"], 0.0)
+
+
+def test_a_small_model_is_launch_bound_and_a_calibration_measures_its_launches():
+    flops = count_step_flops(nn.Linear(4, 2), torch.optim.SGD, torch.randn(8, 4), lambda m, b: m(b).sum())
+    assert flops.kernels_per_micro_step == 5  # addmm, sum, ones_like (grad seed), mm, sum: views excluded
+    h100 = load_catalog().get("h100-sxm")
+    t = step_time(h100, "bf16-mixed", flops=1e6, bytes_moved=1e3, kernels=200)
+    assert t.bound == "launch" and t.step_s == pytest.approx(200 * 5e-6)
+    measured = step_time(h100, "bf16-mixed", flops=1e6, bytes_moved=0, kernels=200, achieved_flops_per_s=1e9)
+    assert measured.launch_s == 0 and measured.step_s == pytest.approx(1e-3)
+
+
+def test_module_examples_run():
+    from resource_guard.planning import projection, projection_result, steptime
+
+    for module in (projection, projection_result, steptime):
+        assert doctest.testmod(module).failed == 0

@@ -287,6 +287,7 @@ def _row(
             comm_factor=factor,
             gpus=gpus,
             interconnect=link,
+            kernels=p.accumulation_steps * flops.kernels_per_micro_step,
         )
     except ConfigurationError as exc:
         return ProjectionRow(fits=True, plan=_plan_dict(p), reason=str(exc), **base)

@@ -20,7 +20,13 @@ The model, per rank and per optimizer step (every number below is an assumption 
   micro-step (``3 (N-1)/N``). Across nodes the collective is hierarchical: inside a node over the
   intra-node link, then each GPU exchanges its ``1/gpus_per_node`` share over its inter-node link.
 
-step = max(compute, memory bound) + communication.
+- **launch bound**: eager PyTorch spends host time on every operator it launches, ~5 µs on a CUDA/ROCm
+  GPU (:data:`LAUNCH_S_PER_KERNEL`; Horace He, "Making Deep Learning Go Brrrr From First Principles",
+  2022: overhead-bound below a few hundred µs of work per op), so a small model's step is never shorter
+  than its operators (counted on the fake trace, views excluded) × that time. ``torch.compile`` and CUDA
+  graphs lower it; the measured calibration of such a run takes that in.
+
+step = max(compute, memory bound, launch bound) + communication.
 
 Example:
     >>> from resource_guard.devices import load_catalog
@@ -42,6 +48,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from resource_guard.devices import Catalog, DeviceSpec
 from resource_guard.errors import ConfigurationError
@@ -50,6 +57,7 @@ from resource_guard.step.training import LossFn, batch_size_of, call_loss_fn, it
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
+    "LAUNCH_S_PER_KERNEL",
     "OPTIMIZER_FLOPS_PER_PARAM",
     "Calibration",
     "Interconnect",
@@ -62,6 +70,7 @@ __all__ = [
 ]
 
 DEFAULT_EFFICIENCY = 0.40
+LAUNCH_S_PER_KERNEL = {"cuda": 5e-6, "rocm": 5e-6, "mps": 10e-6}  # host time per eager operator
 # elementwise FLOPs per parameter of one update (read off the update rules): SGD 2, with momentum 4;
 # Adam/AdamW ~12 (two moment updates, bias corrections, sqrt, divide, weight decay, add)
 OPTIMIZER_FLOPS_PER_PARAM = {"SGD": 4, "Adam": 12, "AdamW": 12, "Adagrad": 6, "RMSprop": 8}
@@ -151,6 +160,7 @@ class StepFlops:
         module_forward_per_sample: forward FLOPs per sample of every named submodule (``""``: the model).
         optimizer_per_step: the elementwise update of all trainable parameters, once per step.
         trainable_parameters: number of trainable parameters.
+        kernels_per_micro_step: operators launched by one forward + backward (views excluded).
     """
 
     forward_per_sample: float
@@ -158,6 +168,7 @@ class StepFlops:
     module_forward_per_sample: Mapping[str, float] = field(default_factory=dict, repr=False)
     optimizer_per_step: float = 0.0
     trainable_parameters: int = 0
+    kernels_per_micro_step: int = 0
 
     def recompute_per_sample(self, checkpointed_modules: tuple[str, ...] | list[str]) -> float:
         """Forward FLOPs run again in backward for the checkpointed modules (nested names once)."""
@@ -200,7 +211,8 @@ def count_step_flops(
             memo[id(b)] = fake_like(b, b.dtype)
         fake_model = copy.deepcopy(model, memo)
         fake_batch = map_tensors(lambda t: fake_like(t, t.dtype), batch)
-        with FlopCounterMode(display=False) as fwd:
+        ops = _OpCounter()
+        with FlopCounterMode(display=False) as fwd, ops:
             handles = [
                 _time_module(name, module, fwd, forward) for name, module in fake_model.named_modules()
             ]
@@ -210,7 +222,7 @@ def count_step_flops(
                 for pre, post in handles:
                     pre.remove()
                     post.remove()
-        with FlopCounterMode(display=False) as bwd:
+        with FlopCounterMode(display=False) as bwd, ops:
             if loss.requires_grad:
                 loss.backward()
     trainable = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
@@ -222,7 +234,27 @@ def count_step_flops(
         module_forward_per_sample={k: v / samples for k, v in forward.items()},
         optimizer_per_step=float(per_param * trainable),
         trainable_parameters=trainable,
+        kernels_per_micro_step=ops.count,
     )
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operators that launch work (views, ``prim`` and metadata-only ops excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        launches = getattr(func, "namespace", "") == "aten" and not getattr(func, "is_view", False)
+        if launches and func.__name__.split(".")[0] not in _NO_KERNEL:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+_NO_KERNEL = frozenset(
+    {"detach", "empty", "empty_like", "empty_strided", "lift_fresh", "sym_size", "sym_stride"}
+)
 
 
 def _time_module(name: str, module: nn.Module, counter: Any, out: dict[str, float]) -> tuple[Any, Any]:
@@ -259,11 +291,13 @@ class StepTime:
     bytes_moved: float
     comm_bytes: float
     efficiency: float
+    launch_s: float = 0.0
 
     @property
     def bound(self) -> str:
-        """``"compute"``, ``"memory"`` or ``"communication"``: the largest part."""
-        parts = {"compute": self.compute_s, "memory": self.memory_s, "communication": self.comm_s}
+        """``"compute"``, ``"memory"``, ``"launch"`` or ``"communication"``: the largest part."""
+        parts = {"compute": self.compute_s, "memory": self.memory_s, "launch": self.launch_s}
+        parts["communication"] = self.comm_s
         return max(parts, key=lambda k: parts[k])
 
 
@@ -279,10 +313,12 @@ def step_time(
     comm_factor: float = 2.0,
     gpus: int = 1,
     interconnect: Interconnect | None = None,
+    kernels: float = 0.0,
 ) -> StepTime:
     """The step-time model of the module docstring for ``flops`` and ``bytes_moved`` per rank.
 
-    ``achieved_flops_per_s`` (a calibration on this very device) replaces peak × efficiency.
+    ``achieved_flops_per_s`` (a calibration on this very device) replaces peak × efficiency and the
+    launch bound (a measured step includes its launches). ``kernels``: operators launched per step.
 
     Raises:
         ConfigurationError: the device has no peak for ``precision`` and no calibration is given.
@@ -301,7 +337,9 @@ def step_time(
     memory = bytes_moved / (bandwidth * 1e9) if bandwidth else 0.0
     comm = (interconnect or Interconnect()).collective_s(device, gpus, comm_bytes, comm_factor)
     eff = rate / peak if (peak := peak_flops(device, precision)) else efficiency
-    return StepTime(max(compute, memory) + comm, compute, memory, comm, flops, bytes_moved, comm_bytes, eff)
+    launch = 0.0 if achieved_flops_per_s is not None else kernels * LAUNCH_S_PER_KERNEL.get(device.kind, 0.0)
+    step = max(compute, memory, launch) + comm
+    return StepTime(step, compute, memory, comm, flops, bytes_moved, comm_bytes, eff, launch)
 
 
 @dataclass(frozen=True)
