@@ -270,6 +270,8 @@ def _preflight_projection(args: argparse.Namespace) -> int:
 
 
 def _print_projection(target: str, proj: Any) -> None:
+    from resource_guard.planning.projection import checkpointing_on
+
     tokens = f", {proj.tokens_per_sample} tokens each" if proj.tokens_per_sample else ""
     flops = proj.flops.forward_per_sample + proj.flops.backward_per_sample
     cal = proj.calibration
@@ -302,7 +304,8 @@ def _print_projection(target: str, proj: Any) -> None:
             continue
         p = r.plan
         plan = f"{p['micro_batch_size']}x{p['accumulation_steps']} {p['precision']} {p['strategy']}"
-        plan += " +ckpt" if p["checkpointing"] else ""
+        ckpt = p["checkpointing"]
+        plan += "" if not checkpointing_on(ckpt) else " +ckpt" if ckpt is True else f" +ckpt:{ckpt}"
         price = f"{r.usd_per_hour:.2f}" if r.usd_per_hour is not None else "-"
         cost = f"{r.cost_usd:,.2f}" if r.cost_usd is not None else "-"
         marks = " ".join([*r.recommended, *(["(calibrated)"] if r.calibrated else [])])

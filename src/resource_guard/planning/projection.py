@@ -39,6 +39,7 @@ from resource_guard.planning.planner import Plan, choose_precision, plan
 from resource_guard.planning.projection_result import (
     Projection,
     ProjectionRow,
+    checkpointing_on,
     remaining_run,
     training_samples,
 )
@@ -54,7 +55,14 @@ from resource_guard.planning.steptime import (
 from resource_guard.step.precision import parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of
 
-__all__ = ["Projection", "ProjectionRow", "project_training", "remaining_run", "training_samples"]
+__all__ = [
+    "Projection",
+    "ProjectionRow",
+    "checkpointing_on",
+    "project_training",
+    "remaining_run",
+    "training_samples",
+]
 
 
 _GPU_KINDS = ("cuda", "rocm")
@@ -236,7 +244,11 @@ class _Planner:
 
 
 def _needs_no_compromise(p: Plan) -> bool:
-    return p.accumulation_steps == 1 and not p.checkpointing and p.strategy in ("single", "ddp")
+    return (
+        p.accumulation_steps == 1
+        and not checkpointing_on(p.checkpointing)
+        and p.strategy in ("single", "ddp")
+    )
 
 
 def _row(

@@ -16,7 +16,14 @@ from resource_guard.devices import DeviceSpec
 from resource_guard.errors import ConfigurationError
 from resource_guard.planning.steptime import Calibration, Interconnect, StepFlops, StepTime, tokens_per_sample
 
-__all__ = ["Projection", "ProjectionRow", "remaining_markdown", "remaining_run", "training_samples"]
+__all__ = [
+    "Projection",
+    "ProjectionRow",
+    "checkpointing_on",
+    "remaining_markdown",
+    "remaining_run",
+    "training_samples",
+]
 
 
 @dataclass(frozen=True)
@@ -128,8 +135,20 @@ def _num(value: float | None, unit: str = "", prefix: str = "") -> str:
 def _plan_text(p: dict[str, Any] | None) -> str:
     if not p:
         return "-"
-    ckpt = " +ckpt" if p.get("checkpointing") else ""
+    ckpt = p.get("checkpointing")
+    ckpt = (
+        ""
+        if not ckpt or str(ckpt).lower() in ("none", "off")
+        else " +ckpt"
+        if ckpt is True
+        else f" +ckpt:{ckpt}"
+    )
     return f"{p['micro_batch_size']}×{p['accumulation_steps']} {p['precision']} {p['strategy']}{ckpt}"
+
+
+def checkpointing_on(value: Any) -> bool:
+    """Whether a plan's ``checkpointing`` (a flag, or a mode name such as ``"selective"``) recomputes."""
+    return bool(value) and str(value).lower() not in ("none", "off", "false")
 
 
 def remaining_run(
