@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +94,12 @@ def test_bad_projection_input_exits_2_with_one_paragraph(target, capsys, argv, m
     assert main(["preflight", target, *argv]) == 2
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err
+
+
+def test_the_readme_projection_command_runs_as_written(capsys):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("resource-guard preflight --train-tokens"))
+    assert main([*shlex.split(line)[1:], "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["projection"]
+    shown = re.findall(r"^(\S+)\s+(\d+)\s+\d+x\d+", readme, flags=re.M)
+    assert {(r["device"], str(r["gpus"])) for r in rows} == set(shown)
