@@ -103,3 +103,15 @@ def test_the_readme_projection_command_runs_as_written(capsys):
     rows = json.loads(capsys.readouterr().out)["projection"]
     shown = re.findall(r"^(\S+)\s+(\d+)\s+\d+x\d+", readme, flags=re.M)
     assert {(r["device"], str(r["gpus"])) for r in rows} == set(shown)
+
+
+def test_a_cpu_run_calibrates_the_cpu_rows(target, tmp_path, capsys):
+    summary = {"step_time_s": 0.01, "flops_per_step": 1e8, "device_kind": "cpu", "precision": "32-true"}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "report.json").write_text(json.dumps({"summary": summary}))
+    argv = ["preflight", target, "--train-samples", "800", "--calibrate", str(tmp_path / "run")]
+    assert main([*argv, "--devices", "cpu", "--gpus", "1", "--precision", "32-true", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["projection"]
+    assert row["calibrated"] and row["step_s"] == pytest.approx(row["flops_per_step"] / 1e10)
+    assert main([*argv, "--devices", "t4", "--gpus", "1"]) == 0
+    assert "calibrates only cpu rows" in capsys.readouterr().out

@@ -280,6 +280,11 @@ def _print_projection(target: str, proj: Any) -> None:
         if cal is not None
         else "assumed (no monitored run; --calibrate LOGDIR to measure it)"
     )
+    if cal is not None and not any(r.calibrated for r in proj.rows):
+        eff = (
+            f"assumed: the run on {cal.device} has no catalog peak to turn into an efficiency, so it "
+            f"calibrates only {cal.device} rows (--devices {cal.device})"
+        )
     print(f"resource-guard preflight: {target}: time and cost to train")
     print(
         f"  {proj.train_samples:,} samples{tokens}; {proj.optimizer_steps:,} optimizer steps of "

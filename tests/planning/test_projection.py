@@ -238,3 +238,12 @@ def test_module_examples_run():
 
     for module in (projection, projection_result, steptime):
         assert doctest.testmod(module).failed == 0
+
+
+def test_calibration_from_a_report_dict_and_a_report_without_flops():
+    cat = load_catalog()
+    summary = {"step_time_s": 0.5, "flops_per_step": 1e12, "device_kind": "cpu", "precision": "32-true"}
+    cal = Calibration.from_report({"summary": summary}, cat)
+    assert (cal.device, cal.achieved_flops_per_s, cal.efficiency(cat)) == ("cpu", 2e12, None)
+    with pytest.raises(ConfigurationError, match="no step time and FLOPs"):
+        Calibration.from_report({"summary": {**summary, "flops_per_step": None}}, cat)

@@ -377,28 +377,24 @@ class Calibration:
         return cls(device, precision, flops_per_step / step_s, source)
 
     @classmethod
-    def from_report(cls, path: str | Path, catalog: Catalog) -> Calibration:
-        """From ``report.json`` of ``resource-guard report LOGDIR`` (a file, or the log dir holding it)."""
-        file = Path(path)
-        if file.is_dir():
-            found = sorted(file.rglob("report.json"), key=lambda p: p.stat().st_mtime)
-            if not found:
-                raise ConfigurationError(f"no report.json in {str(path)!r} to calibrate with")
-            file = found[-1]
-        try:
-            summary = json.loads(file.read_text(encoding="utf-8")).get("summary") or {}
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ConfigurationError(f"cannot read the run report {str(file)!r}: {exc}") from None
+    def from_report(cls, report: str | Path | Mapping[str, Any], catalog: Catalog) -> Calibration:
+        """From a monitored run's report: ``report.json`` of ``resource-guard report LOGDIR`` (the file,
+        or the log dir holding it), or the dict of ``guard``/``ResourceGuard``'s ``report.to_dict()``."""
+        if isinstance(report, Mapping):
+            file, summary = "the run's report", report.get("summary") or {}
+        else:
+            file, summary = _read_summary(Path(report))
         step_s, flops = summary.get("step_time_s"), summary.get("flops_per_step")
         if not step_s or not flops:
             raise ConfigurationError(
-                f"the run report {str(file)!r} has no step time and FLOPs per step to calibrate with"
+                f"{file} has no step time and FLOPs per step to calibrate with (FLOPs are counted when "
+                "guard is given a loss_fn, or by the Lightning callback)"
             )
         kind, name = summary.get("device_kind", "cpu"), summary.get("device_name") or ""
         match = None if kind == "cpu" else catalog.match_hardware_name(name, summary.get("capacity_bytes"))
         device = "cpu" if kind == "cpu" else (match.name if match else name)
         precision = summary.get("precision") or "32-true"  # FLOPs per step are per rank, as the MFU's
-        return cls.from_step(device, precision, step_s=step_s, flops_per_step=flops, source=str(file))
+        return cls.from_step(device, precision, step_s=step_s, flops_per_step=flops, source=file)
 
     def efficiency(self, catalog: Catalog) -> float | None:
         """The measured share of the device's peak, ``None`` where the catalog has no peak (a CPU)."""
@@ -406,3 +402,18 @@ class Calibration:
             return None
         peak = peak_flops(catalog.get(self.device), self.precision)
         return None if peak is None else min(1.0, self.achieved_flops_per_s / peak)
+
+
+def _read_summary(path: Path) -> tuple[str, Mapping[str, Any]]:
+    """``(where, summary)`` of the newest ``report.json`` at ``path`` (a file or a log dir)."""
+    file = path
+    if path.is_dir():
+        found = sorted(path.rglob("report.json"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise ConfigurationError(f"no report.json in {str(path)!r} to calibrate with")
+        file = found[-1]
+    try:
+        summary = json.loads(file.read_text(encoding="utf-8")).get("summary") or {}
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigurationError(f"cannot read the run report {str(file)!r}: {exc}") from None
+    return str(file), summary
