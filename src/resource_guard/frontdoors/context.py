@@ -42,7 +42,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -277,9 +277,11 @@ class Guard:
         if not self._entered:
             raise ConfigurationError("call `g.iterate(...)` inside `with guard(...) as g:`.")
         non_blocking = bool(getattr(loader, "pin_memory", False))
+        self._expect_steps(loader)
         for batch in loader:
             if self.plan is None:
                 self._setup(batch)
+                self._expect_steps(loader)
             if self._flops_per_sample is not None and self._monitor is not None:
                 # the monitor's step is one loader batch: MFU from the FLOPs of that many samples
                 self._monitor.flops_per_step = self._flops_per_sample * (batch_size_of(batch) or 1)
@@ -295,6 +297,12 @@ class Guard:
             self._call_monitor("step_end")
         if self._pending:
             self._finish_partial_step()
+
+    def _expect_steps(self, loader: Iterable[Any]) -> None:
+        """The monitor's step count at the end of this pass over ``loader`` (the report's ETA), if sized."""
+        if self._monitor is not None and isinstance(loader, Sized):
+            with contextlib.suppress(TypeError):  # a loader whose len() is undefined
+                self._monitor.total_steps = self._monitor.steps + len(loader)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Autocast for the planned precision on the planned device (a no-op for ``*-true``)."""

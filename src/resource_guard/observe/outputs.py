@@ -21,6 +21,7 @@ from resource_guard.observe.oom import SNAPSHOT_FILE, OomEvent, memory_history, 
 from resource_guard.observe.sampler import peak_rss_bytes, reset_peak_rss
 from resource_guard.observe.stats import METRIC_KEYS, interval_row, job_row, tensorboard_scalars
 from resource_guard.observe.throughput import aggregate_rows
+from resource_guard.planning.projection_result import remaining_markdown, remaining_run
 from resource_guard.report.findings import Report
 from resource_guard.report.tensorboard import memory_picture, png_bytes
 
@@ -49,6 +50,9 @@ class MonitorOutputs:
     world_size: int
     rank: int
     flops_per_step: float | None
+    device_spec: DeviceSpec | None
+    total_steps: int | None
+    _remaining: dict[str, Any] | None
     _timer: StepTimer | None
     _sampler: Sampler | None
     _events: list[tuple[Any, Any]]
@@ -103,6 +107,7 @@ class MonitorOutputs:
             peak_flops_per_s=self._peak_flops(),
         )
         self._intervals.append(tuple(agg[k] for k in METRIC_KEYS))
+        self._guard("projection", self._project_remaining, agg.get("time/step_s"))
         if self._tb is None:
             return
         out = tensorboard_scalars(agg, maxes, gauges, world_size=self.world_size)
@@ -170,10 +175,30 @@ class MonitorOutputs:
             self._guard("OOM record", write_oom, directory, event)
         return event
 
+    def _project_remaining(self, step_s: float | None) -> None:
+        """ETA and cost of the remaining steps at the measured step time and the device's catalog
+        price (issue #13), kept for the report and logged to TensorBoard as text."""
+        total = self.total_steps
+        if not total or not step_s or not math.isfinite(step_s):
+            return
+        spec = self.device_spec
+        left = remaining_run(
+            spec, step_s=step_s, steps_done=self._step, total_steps=total, gpus=self.world_size
+        )
+        self._remaining = left
+        if self._tb is not None:
+            tb = self._tb
+            self._guard(
+                "TensorBoard", lambda: tb.text("projection", remaining_markdown(left), self._step), off="_tb"
+            )
+
     def _write_outputs(self, report: Report) -> None:
         """Rank zero, at close: the report and the memory picture to TensorBoard and to ``report.md``,
         ``report.json`` and ``memory.png`` in the monitor's files directory."""
         markdown = report.to_markdown()
+        remaining = self._remaining
+        if remaining is not None:
+            markdown += "\n\n" + remaining_markdown(remaining)
         picture = None
         if self.estimate is not None and self.estimate.timeline:
             title = f"pre-flight memory of one step ({self.estimate.precision}) vs {self.device}"
@@ -194,7 +219,8 @@ class MonitorOutputs:
 
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "report.md").write_text(markdown, encoding="utf-8")
-            data = json.dumps(report.to_dict(), indent=2, default=str)
+            extra = {"projection": remaining} if remaining is not None else {}
+            data = json.dumps({**report.to_dict(), **extra}, indent=2, default=str)
             (directory / "report.json").write_text(data, encoding="utf-8")
             if picture is not None:
                 (directory / "memory.png").write_bytes(png_bytes(picture))
