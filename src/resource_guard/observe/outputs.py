@@ -50,7 +50,6 @@ class MonitorOutputs:
     world_size: int
     rank: int
     flops_per_step: float | None
-    device_spec: DeviceSpec | None
     total_steps: int | None
     _remaining: dict[str, Any] | None
     _timer: StepTimer | None
