@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -158,9 +159,10 @@ class CudaAutocast(TorchFunctionMode):
 
     def _fp32_out(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
         x = args[0] if args else kwargs.get("input")
-        if name in ("softmax", "log_softmax") and isinstance(x, torch.Tensor) and x.dtype != torch.float32:
+        half = isinstance(x, torch.Tensor) and x.dtype == torch.float16
+        if name in ("softmax", "log_softmax") and half and (isinstance(x, FakeTensor) or x.is_meta):
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            if isinstance(dim, int):  # CUDA's softmax takes half_to_float: no float32 copy of the input
+            if isinstance(dim, int):  # CUDA's softmax of a half input: no float32 copy (half_to_float)
                 kernel = torch.ops.aten._softmax if name == "softmax" else torch.ops.aten._log_softmax
                 return kernel(x, dim, True)
         return func(*args, **{**kwargs, "dtype": torch.float32})
