@@ -159,8 +159,12 @@ class CudaAutocast(TorchFunctionMode):
 
     def _fp32_out(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
         x = args[0] if args else kwargs.get("input")
-        half = isinstance(x, torch.Tensor) and x.dtype == torch.float16
-        if name in ("softmax", "log_softmax") and half and (isinstance(x, FakeTensor) or x.is_meta):
+        fake_half = (
+            isinstance(x, torch.Tensor)
+            and x.dtype == torch.float16
+            and (isinstance(x, FakeTensor) or x.is_meta)
+        )
+        if name in ("softmax", "log_softmax") and fake_half:
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             if isinstance(dim, int):  # CUDA's softmax of a half input: no float32 copy (half_to_float)
                 kernel = torch.ops.aten._softmax if name == "softmax" else torch.ops.aten._log_softmax
