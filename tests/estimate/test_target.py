@@ -315,3 +315,79 @@ def test_eager_attention_stays_eager():
     est = estimate_memory(_Attention(), torch.optim.SGD, torch.randn(B, L, D), lambda m, b: m(b),
                           precision="16-mixed", device="a100-40gb")  # fmt: skip
     assert "attention:" not in est.assumed_target
+
+
+# -- the GPU truth harness: its prediction half runs anywhere ----------------------------------------
+@pytest.fixture
+def harness(monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "gpu_truth.py"
+    spec = importlib.util.spec_from_file_location("gpu_truth", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_truth", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_the_gpu_truth_harness_predicts_without_a_gpu(harness, monkeypatch, capsys):
+    ids = harness._ids(2, 64, 256)
+
+    def decoder(attention: str):
+        return lambda: (harness.Decoder(256, 64, 2, 4, attention, attention == "eager"), (ids,))
+
+    sdpa, eager = decoder("sdpa"), decoder("eager")
+    tiny = [
+        harness.Row("decoder-sdpa", "bf16-mixed", "adamw", sdpa),
+        harness.Row("decoder-eager/ckpt", "16-mixed", "adafactor", eager),
+        harness.Row("lstm", "32-true", "sgd", lambda: (harness.LstmLM(256, 32, 1), (ids[:, :16],))),
+    ]
+    monkeypatch.setattr(harness, "ROWS", tiny)
+    assert harness.main(["--predict-only", "--device", "a100-40gb"]) == 0
+    out = capsys.readouterr().out
+    for row in tiny:
+        line = next(x for x in out.splitlines() if x.startswith(harness._key(row) + " "))
+        predicted = [float(v.replace(",", "")) for v in line.split()[1:] if v[0].isdigit()]
+        assert len(predicted) == 3 and 0 < predicted[0] <= predicted[1] <= predicted[2]
+    assert "as on cuda sm80 (a100-40gb), bf16-mixed, autocast policy: cuda, attention: flash×2" in out
+    eager_line = next(x for x in out.splitlines() if f"{harness._key(tiny[1])}: predicted" in x)
+    assert "autocast policy: cuda" in eager_line and "attention:" not in eager_line
+
+
+def test_the_gpu_truth_harness_says_so_and_exits_cleanly_without_cuda(harness, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert harness.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+# -- activation checkpointing recomputes under the target's policy ---------------------------------
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList(_Attention() for _ in range(2))
+        self.shift = nn.Parameter(torch.zeros(D))  # reentrant checkpointing needs an input needing grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = x + self.shift
+        for block in self.blocks:
+            x = x + checkpoint(lambda y, b=block: b.v(y) * b(y), x, use_reentrant=self.reentrant)
+        return x.float().pow(2).mean()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_blocks_are_recomputed_under_the_cuda_policy(reentrant):
+    import torch.utils.checkpoint as ckpt
+
+    originals = (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction)  # these must exist
+    model = _Checkpointed(reentrant)
+    est = estimate_memory(model, torch.optim.AdamW, torch.randn(2, 64, D), lambda m, b: m(b),
+                          precision="16-mixed", device="a100-40gb")  # fmt: skip
+    assert est.method == "trace", est.warnings  # recomputed dtypes match the forward's
+    assert (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction) == originals

@@ -67,7 +67,8 @@ class CudaAutocast(TorchFunctionMode):
 
     ``attention`` runs ``scaled_dot_product_attention`` after its inputs were cast (see
     :mod:`resource_guard.estimate.attention`); ``dtype=None`` applies no autocast, only that.
-    ``calls`` counts, per policy, the calls that were cast.
+    ``calls`` counts, per policy, the calls that were cast. ``cache=False`` casts weights afresh each
+    time (activation checkpointing recomputes a block in its own short autocast region).
 
     Example:
         >>> with CudaAutocast(torch.float16):
@@ -77,7 +78,11 @@ class CudaAutocast(TorchFunctionMode):
     """
 
     def __init__(
-        self, dtype: torch.dtype | None, attention: Callable[..., torch.Tensor] | None = None
+        self,
+        dtype: torch.dtype | None,
+        attention: Callable[..., torch.Tensor] | None = None,
+        *,
+        cache: bool = True,
     ) -> None:
         super().__init__()
         if dtype not in (None, torch.float16, torch.bfloat16):
@@ -88,6 +93,7 @@ class CudaAutocast(TorchFunctionMode):
         self.attention = attention
         self.calls: Counter[str] = Counter()
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._caching = cache
         self._depth = 0
 
     def __enter__(self) -> CudaAutocast:
@@ -105,7 +111,9 @@ class CudaAutocast(TorchFunctionMode):
         assert self.dtype is not None
         if t.dtype == self.dtype:
             return t
-        cacheable = t.dtype == torch.float32 and t.is_leaf and t.requires_grad and not t._is_view()
+        cacheable = (
+            self._caching and t.dtype == torch.float32 and t.is_leaf and t.requires_grad and not t._is_view()
+        )
         if not cacheable:
             return t.to(self.dtype)
         hit = self._cache.get(id(t))

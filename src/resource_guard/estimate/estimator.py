@@ -149,7 +149,7 @@ def _trace(
     tracker = StorageTracker(functools.partial(_kernels.kernel_extra, device_kind=device_kind))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     spans: list[tuple[str, int, int]] = []
-    with fake_mode, tracker:
+    with fake_mode, tracker, forward:
         world = FakeStep(model, optimizer, batch, spec, tracker)
         world.warm_up_optimizer()
         for st in world.optimizer.state.values():

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from resource_guard.errors import ConfigurationError
@@ -140,6 +141,24 @@ class TargetForward:
     autocast: str  # "cuda" (emulated), "cpu" (torch.autocast("cpu")) or "none"
     attention: Counter[str] = field(default_factory=Counter)
     casts: Counter[str] = field(default_factory=Counter)
+    recompute_mode: CudaAutocast | None = None
+    in_forward: bool = False
+    _saved: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> TargetForward:
+        """Within: activation checkpointing recomputes under the target's policy (see ``recompute``)."""
+        if self.recompute_mode is not None:
+            ckpt = torch.utils.checkpoint
+            self._saved = (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction)
+            ckpt._checkpoint_without_reentrant_generator = _recomputing(self, self._saved[0])
+            ckpt.CheckpointFunction = _ReentrantRecompute.of(self, self._saved[1])  # type: ignore[misc,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            ckpt = torch.utils.checkpoint
+            ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = self._saved  # type: ignore[misc]
+            self._saved = None
 
     def describe(self, precision: str) -> str:
         """``"as on cuda sm80 (a100-40gb), 16-mixed, autocast policy: cuda, attention: flash×24"``."""
@@ -147,6 +166,44 @@ class TargetForward:
         if self.attention:
             text += ", attention: " + ", ".join(f"{k}×{n}" for k, n in sorted(self.attention.items()))
         return text
+
+    def recompute(self, fn: Any) -> Any:
+        """``fn`` as a checkpointed block runs it: as is in forward, under the target's policy when
+        recomputed."""
+        mode = self.recompute_mode
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self.in_forward or mode is None:
+                return fn(*args, **kwargs)
+            with mode:  # a function mode does not reach into autograd's backward: enter it again
+                return fn(*args, **kwargs)
+
+        return run
+
+
+# ``torch.utils.checkpoint`` re-runs a block in backward under the autocast state of its forward, which
+# here is CUDA's only through the emulation, and function modes do not reach into backward. So, while a
+# CUDA-like trace runs, the two private entry points through which every checkpoint call (also a
+# ``functools.partial`` bound before the trace, as transformers keeps) hands over its function are
+# wrapped. tests/estimate/test_target.py fails loudly if they move.
+def _recomputing(record: TargetForward, generator: Any) -> Any:
+    def wrapped(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return generator(record.recompute(fn), *args, **kwargs)
+
+    return wrapped
+
+
+class _ReentrantRecompute:
+    record: TargetForward
+    original: Any
+
+    @classmethod
+    def of(cls, record: TargetForward, original: Any) -> type[_ReentrantRecompute]:
+        return type("CheckpointFunction", (cls,), {"record": record, "original": original})
+
+    @classmethod
+    def apply(cls, function: Any, *args: Any) -> Any:
+        return cls.original.apply(cls.record.recompute(function), *args)
 
 
 def target_forward(
@@ -157,19 +214,25 @@ def target_forward(
     On a CUDA-like target the forward runs under :class:`~resource_guard.estimate.target.CudaAutocast`
     (CUDA's op lists, emulated; the CPU autocast of ``training_step`` is switched off by handing it the
     precision without autocast) and ``scaled_dot_product_attention`` runs the kernel the target would
-    pick (:mod:`resource_guard.estimate.attention`). Backward, optimizer step and loss scaling are
-    unchanged: autocast only covers the forward. Other targets trace as they are.
+    pick (:mod:`resource_guard.estimate.attention`); in backward, only what activation checkpointing
+    recomputes, while the record is entered as a context. The optimizer step and loss scaling are
+    unchanged. Other targets trace as they are.
     """
     if not target.cuda_like:
         return spec, loss_fn, TargetForward(target, "cpu" if spec.autocast_dtype else "none")
     record = TargetForward(target, "cuda" if spec.autocast_dtype else "none")
     mode = CudaAutocast(spec.autocast_dtype, attention_for(target, record.attention))
     record.casts = mode.calls
+    record.recompute_mode = CudaAutocast(spec.autocast_dtype, attention_for(target, Counter()), cache=False)
     inner = loss_fn or default_loss_fn
 
     def forward(model: nn.Module, batch: Any) -> Any:
-        with mode:
-            return inner(model, batch)
+        record.in_forward = True
+        try:
+            with mode:
+                return inner(model, batch)
+        finally:
+            record.in_forward = False
 
     return dataclasses.replace(spec, autocast_dtype=None), forward, record
 
