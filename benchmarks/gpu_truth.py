@@ -28,12 +28,17 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cases import native_stderr_silenced  # noqa: E402
 
 MiB = 2**20
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -186,7 +191,7 @@ def predict(row: Row, device: str) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model, batch = row.build()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), native_stderr_silenced():
         warnings.simplefilter("ignore")
         est = estimate_memory(model, _optimizer(row.optimizer, model.parameters()), batch, _loss,
                               precision=row.precision, device=device)  # fmt: skip
