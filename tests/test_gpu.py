@@ -14,7 +14,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from autocast_cases import CASES, make_inputs
 from resource_guard import estimate_memory, guard
+from resource_guard.estimate.attention import CUDNN, EFFICIENT, FLASH, MATH, select_backend
+from resource_guard.estimate.cuda_autocast import CudaAutocast
+from resource_guard.estimate.target import Target
 from resource_guard.step.precision import parse_precision
 from resource_guard.step.training import training_step
 
@@ -69,3 +73,48 @@ def test_a_guarded_cuda_run_reports_the_allocator_peak_without_drift(tmp_path: P
     assert report["summary"]["peak_memory_source"] == "cuda_allocated"
     assert "estimate-drift" not in [f["id"] for f in report["findings"]]
     assert g.summary()["measured_peak_bytes"] > 0
+
+
+# -- the emulated CUDA autocast policy and attention kernels against the real ones -------------------
+_LOW_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("low", _LOW_DTYPES, ids=str)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_emulated_autocast_dtypes_match_real_cuda_autocast(case: str, low: torch.dtype) -> None:
+    if low == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    fn, _ = CASES[case]
+    with torch.autocast("cuda", dtype=low):
+        real = fn(make_inputs(low, "cuda"))
+    with CudaAutocast(low):
+        emulated = fn(make_inputs(low, "cpu"))
+    assert emulated.dtype == real.dtype
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, masked",
+    [
+        (torch.float16, 64, False),
+        (torch.bfloat16, 128, False),
+        (torch.float32, 64, False),
+        (torch.float16, 64, True),
+    ],
+)
+def test_the_predicted_sdpa_backend_is_the_one_torch_picks(
+    dtype: torch.dtype, head_dim: int, masked: bool
+) -> None:
+    from torch.nn.attention import SDPBackend
+
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    q, k, v = (
+        torch.randn(2, 4, 128, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)
+    )
+    mask = torch.ones(128, 128, device="cuda", dtype=torch.bool) if masked else None
+    picked = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, False)).name
+    target = Target("cuda", "local", torch.cuda.get_device_capability())
+    predicted = select_backend(target, q, k, v, mask)
+    fused = {"FLASH_ATTENTION", "CUDNN_ATTENTION"}  # keep the same bytes
+    same_bytes = {FLASH: fused, CUDNN: fused, EFFICIENT: {"EFFICIENT_ATTENTION"}, MATH: {"MATH"}}
+    assert picked in same_bytes[predicted], (picked, predicted)

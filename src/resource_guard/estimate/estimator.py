@@ -8,7 +8,7 @@ by category. The caller's model, optimizer, batch and RNG state are left untouch
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 import time
 import warnings
@@ -28,10 +28,11 @@ from resource_guard.estimate.fake_world import (
     FOR_LOOP,
     FOREACH,
     FakeStep,
-    fused_attention,
     isolated_global_state,
+    target_forward,
 )
 from resource_guard.estimate.result import MemoryEstimate
+from resource_guard.estimate.target import Target
 from resource_guard.estimate.tracer import PeakRecord, StorageTracker
 from resource_guard.step.precision import PrecisionSpec, parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of, iter_tensors, training_step
@@ -140,13 +141,15 @@ def _trace(
     loss_fn: LossFn | None,
     spec: PrecisionSpec,
     device_kind: str,
+    target: Target | None = None,
 ) -> MemoryEstimate:
     started = time.perf_counter()
+    # the forward runs as on the target: CUDA's autocast policy and attention kernels on a GPU target
+    step_spec, step_loss_fn, forward = target_forward(target or Target(device_kind), spec, loss_fn)
     tracker = StorageTracker(functools.partial(_kernels.kernel_extra, device_kind=device_kind))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     spans: list[tuple[str, int, int]] = []
-    fused = fused_attention() if device_kind in ("cuda", "rocm") else contextlib.nullcontext()
-    with fused, fake_mode, tracker:
+    with fake_mode, tracker, forward:
         world = FakeStep(model, optimizer, batch, spec, tracker)
         world.warm_up_optimizer()
         for st in world.optimizer.state.values():
@@ -179,8 +182,8 @@ def _trace(
             world.model,
             world.optimizer,
             world.batch,
-            loss_fn,
-            spec,
+            step_loss_fn,
+            step_spec,
             "cpu",
             on_phase=lambda ph: None if ph in ("forward", "optimizer") else on_phase(ph),
             loss_scale=scale,
@@ -218,6 +221,7 @@ def _trace(
         allocations=tuple(_events_for(tracker, spans, variant)),
         initial_allocations=initial,
         trace_seconds=time.perf_counter() - started,
+        assumed_target=forward.describe(spec.name),
     )
 
 
@@ -258,9 +262,10 @@ def estimate_memory(
     _check_inputs(model, optimizer, batch, loss_fn)
     spec = parse_precision(precision)
     kind = _device_kind(device) if device is not None else _default_kind(model)
+    target = Target.of(device, kind)
     with isolated_global_state():
         try:
-            return _trace(model, optimizer, batch, loss_fn, spec, kind)
+            return _trace(model, optimizer, batch, loss_fn, spec, kind, target)
         except ConfigurationError:
             raise
         except Exception as exc:  # the trace could not run this model: fall back, conservatively
@@ -268,7 +273,8 @@ def estimate_memory(
                 f"tracing failed ({type(exc).__name__}: {_first_line(exc)}); analytic estimate, conservative"
             )
             warnings.warn(reason, ResourceGuardWarning, stacklevel=2)
-            return analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
+            fallback = analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
+            return dataclasses.replace(fallback, assumed_target=f"as on {target.describe()}, {spec.name}")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,5 +1,5 @@
 """The world an estimate traces in: fake copies of the model, optimizer and batch (:class:`FakeStep`),
-the fused attention kernel a GPU would run (:func:`fused_attention`), and the training step's global
+the forward pass as the target runs it (:func:`target_forward`), and the training step's global
 state, isolated from the caller's (:func:`isolated_global_state`). Used by
 :func:`~resource_guard.estimate.estimator.estimate_memory`.
 """
@@ -8,19 +8,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import random
 import sys
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
-from torch.nn import functional as F
 
 from resource_guard.errors import ConfigurationError
+from resource_guard.estimate.attention import attention_for
+from resource_guard.estimate.cuda_autocast import CudaAutocast
+from resource_guard.estimate.target import Target
 from resource_guard.estimate.tracer import StorageTracker
 from resource_guard.step.precision import PrecisionSpec
-from resource_guard.step.training import map_tensors
+from resource_guard.step.training import LossFn, default_loss_fn, map_tensors
 
 if TYPE_CHECKING:
     from resource_guard.step.training import OptimizerArg
@@ -32,7 +38,8 @@ __all__ = [
     "FakeStep",
     "fake_like",
     "fake_scalar",
-    "fused_attention",
+    "TargetForward",
+    "target_forward",
     "isolated_global_state",
 ]
 
@@ -126,33 +133,108 @@ class FakeStep:
         opt.zero_grad(set_to_none=True)
 
 
-@contextlib.contextmanager
-def fused_attention() -> Iterator[None]:
-    """Trace ``scaled_dot_product_attention`` as a fused (flash / memory-efficient) kernel.
+@dataclass
+class TargetForward:
+    """How the forward pass is traced as on the target: the policy and the attention kernels used."""
 
-    On CUDA, PyTorch picks a fused SDPA kernel that keeps the output and a log-sum-exp per row
-    instead of the (batch, heads, seq, seq) attention matrix; CPU tracing would take the math path.
-    The CPU flash kernel has the same memory shape, so it stands in for the GPU's.
+    target: Target
+    autocast: str  # "cuda" (emulated), "cpu" (torch.autocast("cpu")) or "none"
+    attention: Counter[str] = field(default_factory=Counter)
+    casts: Counter[str] = field(default_factory=Counter)
+    recompute_mode: CudaAutocast | None = None
+    in_forward: bool = False
+    _saved: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> TargetForward:
+        """Within: activation checkpointing recomputes under the target's policy (see ``recompute``)."""
+        if self.recompute_mode is not None:
+            ckpt = torch.utils.checkpoint
+            self._saved = (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction)
+            ckpt._checkpoint_without_reentrant_generator = _recomputing(self, self._saved[0])
+            ckpt.CheckpointFunction = _ReentrantRecompute.of(self, self._saved[1])  # type: ignore[misc,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            ckpt = torch.utils.checkpoint
+            ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = self._saved  # type: ignore[misc]
+            self._saved = None
+
+    def describe(self, precision: str) -> str:
+        """``"as on cuda sm80 (a100-40gb), 16-mixed, autocast policy: cuda, attention: flash×24"``."""
+        text = f"as on {self.target.describe()}, {precision}, autocast policy: {self.autocast}"
+        if self.attention:
+            text += ", attention: " + ", ".join(f"{k}×{n}" for k, n in sorted(self.attention.items()))
+        return text
+
+    def recompute(self, fn: Any) -> Any:
+        """``fn`` as a checkpointed block runs it: as is in forward, under the target's policy when
+        recomputed."""
+        mode = self.recompute_mode
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self.in_forward or mode is None:
+                return fn(*args, **kwargs)
+            with mode:  # a function mode does not reach into autograd's backward: enter it again
+                return fn(*args, **kwargs)
+
+        return run
+
+
+# ``torch.utils.checkpoint`` re-runs a block in backward under the autocast state of its forward, which
+# here is CUDA's only through the emulation, and function modes do not reach into backward. So, while a
+# CUDA-like trace runs, the two private entry points through which every checkpoint call (also a
+# ``functools.partial`` bound before the trace, as transformers keeps) hands over its function are
+# wrapped. tests/estimate/test_target.py fails loudly if they move.
+def _recomputing(record: TargetForward, generator: Any) -> Any:
+    def wrapped(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return generator(record.recompute(fn), *args, **kwargs)
+
+    return wrapped
+
+
+class _ReentrantRecompute:
+    record: TargetForward
+    original: Any
+
+    @classmethod
+    def of(cls, record: TargetForward, original: Any) -> type[_ReentrantRecompute]:
+        return type("CheckpointFunction", (cls,), {"record": record, "original": original})
+
+    @classmethod
+    def apply(cls, function: Any, *args: Any) -> Any:
+        return cls.original.apply(cls.record.recompute(function), *args)
+
+
+def target_forward(
+    target: Target, spec: PrecisionSpec, loss_fn: LossFn | None
+) -> tuple[PrecisionSpec, LossFn | None, TargetForward]:
+    """The precision and loss function to hand ``training_step`` so its forward runs as on ``target``.
+
+    On a CUDA-like target the forward runs under :class:`~resource_guard.estimate.target.CudaAutocast`
+    (CUDA's op lists, emulated; the CPU autocast of ``training_step`` is switched off by handing it the
+    precision without autocast) and ``scaled_dot_product_attention`` runs the kernel the target would
+    pick (:mod:`resource_guard.estimate.attention`); in backward, only what activation checkpointing
+    recomputes, while the record is entered as a context. The optimizer step and loss scaling are
+    unchanged. Other targets trace as they are.
     """
-    original = F.scaled_dot_product_attention
-    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    if not target.cuda_like:
+        return spec, loss_fn, TargetForward(target, "cpu" if spec.autocast_dtype else "none")
+    record = TargetForward(target, "cuda" if spec.autocast_dtype else "none")
+    mode = CudaAutocast(spec.autocast_dtype, attention_for(target, record.attention))
+    record.casts = mode.calls
+    record.recompute_mode = CudaAutocast(spec.autocast_dtype, attention_for(target, Counter()), cache=False)
+    inner = loss_fn or default_loss_fn
 
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def forward(model: nn.Module, batch: Any) -> Any:
+        record.in_forward = True
         try:
-            if enable_gqa and key.shape[-3] != query.shape[-3]:
-                repeat = query.shape[-3] // key.shape[-3]
-                key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
-            return fused(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-        except Exception:  # shapes or dtypes the fused kernel refuses: the GPU would fall back too
-            return original(
-                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-            )
+            with mode:
+                return inner(model, batch)
+        finally:
+            record.in_forward = False
 
-    F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original  # type: ignore[assignment]
+    return dataclasses.replace(spec, autocast_dtype=None), forward, record
 
 
 @contextlib.contextmanager

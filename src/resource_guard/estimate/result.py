@@ -35,6 +35,8 @@ class MemoryEstimate:
             for the caching-allocator model of :meth:`for_device`; ``initial_allocations`` holds
             ``(id, bytes)`` of the storages alive when the step began.
         trace_seconds: time the estimate took.
+        assumed_target: the device behaviour the step was traced as, stated in every summary:
+            ``"as on cuda sm80 (a100-40gb), bf16-mixed, autocast policy: cuda, attention: flash×24"``.
     """
 
     peak_bytes: int
@@ -54,6 +56,7 @@ class MemoryEstimate:
     allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     initial_allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     trace_seconds: float = 0.0
+    assumed_target: str = ""
 
     def for_device(
         self, device: str | DeviceSpec = "auto", *, headroom: float = 0.1, catalog: Any = None
@@ -88,4 +91,5 @@ class MemoryEstimate:
             "phase_peak_bytes": dict(self.phase_peak_bytes),
             "warnings": list(self.warnings),
             "trace_seconds": round(self.trace_seconds, 3),
+            "assumed_target": self.assumed_target,
         }
