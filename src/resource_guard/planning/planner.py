@@ -31,6 +31,13 @@ The rules, each covered by a test:
    ``meta`` device, so no large batch is allocated.
 6. **Strategy**: with ``world_size > 1``, DDP (full replica + gradient buckets) and FSDP full-shard
    are both sized per rank (:mod:`resource_guard.planning.strategy`); the cheaper that fits wins.
+   ``strategy="fsdp_grad_op"`` (ZeRO-2) and ``"hsdp"`` (sharded within ``gpus_per_node``) are sized
+   when asked for. FSDP's precision is its own mixed-precision policy (``fsdp_mixed_precision``,
+   :mod:`resource_guard.planning.sharding`): by default 16-bit parameters gathered per unit, fp32
+   sharded master and optimizer state, as Lightning's ``FSDPStrategy`` does; ``"autocast"`` models
+   fp32 parameters under autocast and says what the 16-bit policy would save.
+8. **Verdict**: ``Plan.verdict`` is ``"fits"``, or ``"fits tight"`` when a configuration is only
+   found inside the headroom (every configuration that fits with headroom is preferred).
 7. **Nothing fits**: :class:`~resource_guard.errors.DoesNotFitError` with a :class:`NoFitReport`:
    needed vs available, the alternatives tried, the catalog devices where it would fit, and how many
    of this device FSDP would need.
@@ -82,7 +89,8 @@ from resource_guard.planning.search import (
     render_table,
     search_largest,
 )
-from resource_guard.planning.strategy import STRATEGIES, RankMemory, unit_param_bytes
+from resource_guard.planning.sharding import FsdpPrecision, autocast_copy_bytes, fsdp_precision
+from resource_guard.planning.strategy import GPUS_PER_NODE, SHARDED, STRATEGIES, RankMemory, unit_param_bytes
 from resource_guard.step.batching import divisors
 from resource_guard.step.precision import parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of
@@ -121,6 +129,9 @@ class Plan:
         alternatives: the configurations considered, best first.
         traces: number of estimate traces the plan used.
         headroom: the fraction of capacity kept free.
+        fsdp_precision: the FSDP mixed-precision policy assumed (None unless the strategy is FSDP).
+
+    :attr:`verdict` is the fit's: ``"fits"`` or ``"fits tight"`` (inside the headroom).
     """
 
     device: DeviceSpec
@@ -139,6 +150,11 @@ class Plan:
     traces: int = 0
     headroom: float = 0.1
     rank_memory: RankMemory | None = field(default=None, repr=False)
+    fsdp_precision: FsdpPrecision | None = field(default=None, repr=False)
+
+    @property
+    def verdict(self) -> str:
+        return self.fit.verdict
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary."""
@@ -147,6 +163,8 @@ class Plan:
             "capacity_bytes": self.fit.capacity_bytes,
             "usable_bytes": self.fit.usable_bytes,
             "predicted_peak_bytes": self.fit.device_total_bytes,
+            "verdict": self.verdict,
+            "fsdp_precision": self.fsdp_precision.name if self.fsdp_precision is not None else None,
             "precision": self.precision,
             "checkpointing": self.checkpointing,
             "checkpointed_modules": list(self.checkpointed_modules),
@@ -172,6 +190,8 @@ class Plan:
             f" predicted {f.device_total_bytes / _MiB:,.1f} of {f.usable_bytes / _MiB:,.1f} MiB usable"
             f" ({self.traces} traces)"
         )
+        if self.verdict != "fits":
+            head += f"; **{self.verdict}**: " + "; ".join(f.tight_risks)
         return "\n".join([head, "", *(f"- {r}" for r in self.reasons), "", render_table(self.alternatives)])
 
     def __str__(self) -> str:
@@ -222,9 +242,8 @@ def _check_args(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigurationError(f"`{call}(world_size={world_size!r})` must be an int >= 1")
     if strategy not in ("auto", *STRATEGIES):
-        raise ConfigurationError(
-            f"`{call}(strategy={strategy!r})` must be one of 'auto', 'single', 'ddp', 'fsdp'"
-        )
+        allowed = ", ".join(repr(s) for s in ("auto", *STRATEGIES))
+        raise ConfigurationError(f"`{call}(strategy={strategy!r})` must be one of {allowed}")
     if strategy == "single" and world_size > 1:
         raise ConfigurationError(
             f"`plan(strategy='single', world_size={world_size})`: one device cannot have {world_size} ranks; "
@@ -262,6 +281,8 @@ def plan(
     strategy: str = "auto",
     memory_limit: int | str | None = None,
     catalog: Catalog | str | os.PathLike[str] | None = None,
+    fsdp_mixed_precision: str = "params",
+    gpus_per_node: int = GPUS_PER_NODE,
 ) -> Plan:
     """Choose the fastest training configuration that fits (rules in the module docstring).
 
@@ -279,6 +300,10 @@ def plan(
         memory_limit: plan as if the device had only this much memory (bytes or ``"6GiB"``).
         catalog: the device catalog, or the path of a catalog file merged over the bundled one
             (default: the bundled catalog).
+        fsdp_mixed_precision: FSDP's policy for ``*-mixed``: ``"params"`` (16-bit parameters
+            gathered, Lightning's ``FSDPStrategy``), ``"params-fp32-reduce"`` or ``"autocast"``
+            (fp32 parameters under autocast).
+        gpus_per_node: the shard group of ``strategy="hsdp"``.
 
     Returns:
         A :class:`Plan`.
@@ -295,23 +320,46 @@ def plan(
         choose_precision(spec) if precision == "auto" else (parse_precision(precision).name, "as asked")
     )
     reasons.append(f"precision {precision}: {why}")
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ConfigurationError(f"`plan(gpus_per_node={gpus_per_node!r})` must be an int >= 1")
+    try:
+        policy = fsdp_precision(precision, fsdp_mixed_precision)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"`plan(fsdp_mixed_precision={fsdp_mixed_precision!r})`: {exc}") from None
     target, per_rank = _batch_per_rank(batch, target_batch_size, world_size)
     blocks = find_checkpoint_blocks(model)
     ckpt_options, strategies = _options(model, blocks, checkpointing, world_size, strategy)
 
     units = unit_param_bytes(model, precision)
-    tracer = Tracer(model, optimizer, batch, loss_fn, precision, spec, headroom, units, world_size, blocks)
+    tracer = Tracer(
+        model, optimizer, batch, loss_fn, precision, spec, headroom, units, world_size, blocks,
+        policy=policy, gpus_per_node=gpus_per_node,
+    )  # fmt: skip
     noted: dict[str, None] = {}
     with _collect_warnings(noted):
         found = _search(tracer, divisors(per_rank), ckpt_options, strategies)
     for message in noted:
         warnings.warn(message, ResourceGuardWarning, stacklevel=2)
     rows = tracer.alternatives(per_rank)
+    if not found:  # nothing fits with the headroom: the configurations tried that fit inside it
+        found = [c for c in tracer.evaluated.values() if c.fit.verdict == "fits tight"]
     if not found:
         raise no_fit_error(tracer, spec, catalog, headroom, rows, units)
     best = _cheapest(found, per_rank)
 
     reasons += batch_reasons(best, found, per_rank, target, world_size, tracer)
+    if best.strategy in SHARDED:
+        reasons.append(f"precision under {best.strategy}: {policy.describe()}")
+        if policy.policy == "autocast":
+            saved = autocast_copy_bytes(model, policy.autocast_dtype or policy.param_dtype)
+            reasons.append(
+                "autocast over fp32 parameters keeps a 16-bit copy of every matmul weight, unsharded, for "
+                f"backward (≈{saved / _MiB:,.0f} MiB per rank); a 16-bit parameter policy "
+                "(`MixedPrecision(param_dtype=torch.bfloat16)` / `MixedPrecisionPolicy`, "
+                "fsdp_mixed_precision='params') saves it"
+            )
+    if best.fit.verdict != "fits":
+        reasons.append(f"{best.fit.verdict}: " + "; ".join(best.fit.tight_risks))
     reasons += [f"{m} (estimate warning)" for m in noted]
     reasons.append(f"{tracer.count} estimate traces, no real step")
     return Plan(
@@ -331,6 +379,7 @@ def plan(
         traces=tracer.count,
         headroom=float(headroom),
         rank_memory=best.rank if best.strategy != "single" else None,
+        fsdp_precision=policy if best.strategy in SHARDED else None,
     )
 
 

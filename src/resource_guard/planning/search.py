@@ -14,10 +14,22 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from resource_guard.estimate import MemoryEstimate, estimate_memory
+from resource_guard.estimate import MemoryEstimate
+from resource_guard.estimate.allocator import rank_overhead
+from resource_guard.estimate.blocks import estimate_by_blocks, sampleable
 from resource_guard.planning.checkpointing import apply_checkpointing
-from resource_guard.planning.strategy import RankMemory, rank_fit, rank_memory
+from resource_guard.planning.sharding import FsdpPrecision, trace_spec
+from resource_guard.planning.strategy import (
+    GPUS_PER_NODE,
+    SHARDED,
+    RankMemory,
+    phase_peaks,
+    rank_fit,
+    rank_memory,
+    unit_param_bytes,
+)
 from resource_guard.step.batching import resize_batch
+from resource_guard.step.precision import PrecisionSpec, parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg
 
 if TYPE_CHECKING:
@@ -95,7 +107,13 @@ class Candidate:
 
 
 class Tracer:
-    """Traces the step at a micro-batch size (cached and counted) and fits it to the device per strategy."""
+    """Traces the step at a micro-batch size (cached and counted) and fits it to the device per strategy.
+
+    FSDP strategies under a ``policy`` that gathers 16-bit parameters are traced with the parameters
+    in that dtype (:func:`~resource_guard.planning.sharding.trace_spec`); the others under
+    ``precision``. A model with repeated blocks is traced at two shallow depths and extrapolated
+    (:func:`~resource_guard.estimate.blocks.estimate_by_blocks`) unless ``by_blocks`` is False.
+    """
 
     def __init__(
         self,
@@ -109,44 +127,76 @@ class Tracer:
         units: Sequence[int],
         world_size: int,
         blocks: tuple[str, ...],
+        *,
+        policy: FsdpPrecision | None = None,
+        gpus_per_node: int = GPUS_PER_NODE,
+        by_blocks: bool = True,
     ) -> None:
         self.model, self.optimizer, self.batch, self.loss_fn = model, optimizer, batch, loss_fn
         self.precision, self.device, self.headroom = precision, device, headroom
         self.units, self.world_size = tuple(units), world_size
         self.blocks = blocks  # find_checkpoint_blocks(model), found once by the planner
+        self.policy, self.gpus_per_node = policy, gpus_per_node
+        self.sample_blocks = blocks if by_blocks and sampleable(model, blocks) else ()
+        self.policy_units = self.units
+        if policy is not None and policy.gathers_low_precision:
+            self.policy_units = unit_param_bytes(model, policy)
         self.count = 0
-        self._traces: dict[tuple[bool, int], MemoryEstimate] = {}
+        self._traces: dict[tuple[bool, int, str], tuple[MemoryEstimate, Any]] = {}
         self.evaluated: dict[tuple[bool, str, int], Candidate] = {}
 
-    def trace(self, ckpt: bool, micro: int) -> MemoryEstimate:
-        key = (ckpt, micro)
+    def _spec(self, strategy: str) -> PrecisionSpec:
+        if strategy in SHARDED and self.policy is not None:
+            return trace_spec(self.policy)
+        return parse_precision(self.precision)
+
+    def trace(self, ckpt: bool, micro: int, spec: PrecisionSpec | None = None) -> MemoryEstimate:
+        spec = spec if spec is not None else parse_precision(self.precision)
+        key = (ckpt, micro, f"{spec.name}/{spec.param_dtype}")
         if key not in self._traces:
             batch = resize_batch(self.batch, micro)
             handle = apply_checkpointing(self.model) if ckpt else None
             try:
-                est = estimate_memory(
+                est = estimate_by_blocks(
                     self.model,
                     self.optimizer,
                     batch,
                     self.loss_fn,
-                    precision=self.precision,
+                    blocks=self.sample_blocks,
+                    precision=spec,
                     device=self.device.kind,
                 )
             finally:
                 if handle is not None:
                     handle.remove()
             self.count += 1
-            self._traces[key] = est
-        return self._traces[key]
+            self._traces[key] = (est, None)
+        return self._traces[key][0]
+
+    def _overhead(self, est: MemoryEstimate) -> tuple[int, int]:
+        for key, (e, cached) in self._traces.items():
+            if e is est:
+                if cached is None:
+                    cached = rank_overhead(est)
+                    self._traces[key] = (e, cached)
+                return cached  # type: ignore[no-any-return]
+        return rank_overhead(est)
 
     def evaluate(self, ckpt: bool, strategy: str, micro: int) -> Candidate:
         key = (ckpt, strategy, micro)
         if key not in self.evaluated:
-            est = self.trace(ckpt, micro)
+            spec = self._spec(strategy)
+            est = self.trace(ckpt, micro, spec)
             fit = est.for_device(self.device, headroom=self.headroom)
-            rank = rank_memory(est, strategy, self.world_size, units=self.units)
+            sharded = strategy in SHARDED
+            low = sharded and self.policy is not None and self.policy.gathers_low_precision
+            units = self.policy_units if low else self.units
+            rank = rank_memory(
+                est, strategy, self.world_size, units=units, policy=self.policy if sharded else None,
+                gpus_per_node=self.gpus_per_node, peaks=phase_peaks(est) if sharded else None,
+            )  # fmt: skip
             if strategy != "single":
-                fit = rank_fit(fit, est, rank)
+                fit = rank_fit(fit, est, rank, overhead=self._overhead(est))
             self.evaluated[key] = Candidate(micro, ckpt, strategy, est, fit, rank)
         return self.evaluated[key]
 
