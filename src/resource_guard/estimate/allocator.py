@@ -333,27 +333,39 @@ def device_fit(
     )
 
 
-def rank_overhead(estimate: StepMemory) -> tuple[int, int]:
-    """``(rounding, fragmentation)`` bytes the caching allocator adds to the step's own churn.
+def _churn(events: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The forward/backward churn of a step's events: what is born and dies before the gradients are
+    complete, without the storages that live to the step's end (the gradients, freed by ``zero_grad``
+    in the trailing run of frees, or never) and without what follows the last gradient's birth."""
+    end = len(events)
+    while end > 0 and events[end - 1][1] < 0:
+        end -= 1
+    born = {uid for uid, delta in events if delta > 0}
+    freed_early = {uid for uid, delta in events[:end] if delta < 0}
+    kept = {uid for uid in born if uid not in freed_early}  # alive at the end of the step's work
+    last = max((i for i, (uid, delta) in enumerate(events) if delta > 0 and uid in kept), default=end - 1)
+    return [(uid, delta) for uid, delta in events[: last + 1] if uid in born and uid not in kept]
 
-    The step's allocation events are replayed without the persistent state (parameters, optimizer
-    state: exact blocks allocated once, which a sharded rank holds as a few shards): rounding is the
-    rounded peak over the live peak, fragmentation the reserved peak over the rounded one. An
-    estimate that carries its own ``allocator_overhead`` (extrapolated from shallow traces) gives it.
+
+def rank_overhead(estimate: StepMemory) -> tuple[int, int]:
+    """``(rounding, fragmentation)`` bytes the caching allocator adds to one rank's own churn.
+
+    A rank's persistent state (parameter, gradient and optimizer-state shards, gathered units of a
+    fixed size) is a few exact blocks reused step after step; what fragments is the forward/backward
+    churn of activations and temporaries (:func:`_churn` of the step's events), which a rank runs in
+    full whatever the world size. It is replayed alone: rounding is its rounded peak over its live
+    peak, fragmentation its reserved peak over its rounded peak. An estimate that carries its own
+    ``allocator_overhead`` (extrapolated from shallow traces) gives it.
     """
     own = getattr(estimate, "allocator_overhead", None)
     if own is not None:
         return int(own[0]), int(own[1])
+    churn = _churn(estimate.allocations)
     running = live_peak = 0
-    born: set[int] = set()
-    for uid, delta in estimate.allocations:
-        if delta > 0:
-            born.add(uid)
-        elif uid not in born:  # a persistent storage freed in the step: not part of the churn
-            continue
+    for _, delta in churn:
         running += delta
         live_peak = max(live_peak, running)
-    sim = simulate_caching_allocator(estimate.allocations)
+    sim = simulate_caching_allocator(churn)
     rounding = max(sim.allocated_peak_bytes - live_peak, 0)
     return rounding, max(sim.reserved_peak_bytes - sim.allocated_peak_bytes, 0)
 

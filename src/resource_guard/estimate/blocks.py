@@ -2,14 +2,16 @@
 
 An 80-layer decoder runs the same block 80 times; every byte a block adds (its parameters, gradients,
 optimizer state, the activations it saves for backward, the allocator's overhead on them) is the same
-for each. :func:`estimate_by_blocks` traces the model with only its first ``k₁`` and ``k₂`` blocks of
-the repeated container (the rest of the model unchanged) and extrapolates every figure linearly to the
-full depth ``L``::
+for each. :func:`estimate_by_blocks` traces the model with only its first ``k₁`` and ``k₂`` blocks
+(2 and 3 by default) of the repeated container (the rest of the model unchanged) and extrapolates
+linearly to the full depth ``L``::
 
     x(L) = x(k₂) + (L − k₂) / (k₂ − k₁) · (x(k₂) − x(k₁))          (never below x(k₂))
 
-for the peak, its breakdown by category, each phase's peak, the parameter counts and, per phase,
-the timeline points where the total and the transient bytes are highest. The blocks must be the
+for the parameter counts and, per phase, the moments that are the same at every depth (the highest
+transient bytes: the end of the forward, the start of the backward; after the backward, the highest
+total); the peak is the highest of those moments. The caching allocator's
+overhead on the step's churn is the larger sample's (:class:`BlockEstimate`). The blocks must be the
 children of one ``nn.ModuleList`` / ``nn.Sequential`` whose forward only iterates them (what
 :func:`~resource_guard.planning.checkpointing.find_checkpoint_blocks` finds). Not used, the full
 trace runs instead, when the model has few blocks or ``optimizer`` is an optimizer instance (it holds
@@ -46,7 +48,7 @@ from resource_guard.step.training import LossFn, OptimizerArg
 
 __all__ = ["BlockEstimate", "SAMPLE_BLOCKS", "estimate_by_blocks", "extrapolate", "sampleable"]
 
-SAMPLE_BLOCKS = (1, 2)
+SAMPLE_BLOCKS = (2, 3)
 _TRANSIENT = tuple(CATEGORIES.index(c) for c in ("activations", "temporaries", "inputs", "other"))
 
 
@@ -56,8 +58,10 @@ class BlockEstimate(MemoryEstimate):
 
     Attributes:
         blocks_sampled: the depths traced, ``(k₁, k₂)``; ``blocks_total``: the model's depth.
-        allocator_overhead: ``(rounding, fragmentation)`` bytes of the caching allocator, extrapolated
-            like the rest (the ``allocations`` events are the deeper sample's).
+        allocator_overhead: ``(rounding, fragmentation)`` bytes of the caching allocator over the
+            step's churn: the larger of the two samples', not extrapolated (the next identical block
+            reuses the blocks the previous one freed, so the holes do not add up with depth; checked
+            against the full trace in the tests). The ``allocations`` events are the deeper sample's.
     """
 
     blocks_sampled: tuple[int, int] = (0, 0)
@@ -112,40 +116,56 @@ def _vec(a: Sequence[int], b: Sequence[int], f: float) -> tuple[int, ...]:
     return tuple(_lerp(x, y, f) for x, y in zip(a, b))
 
 
+_STABLE = ("optimizer", "zero_grad", "done")  # phases whose highest total is the same moment at any depth
+
+
 def _phase_points(est: MemoryEstimate) -> dict[str, list[tuple[int, ...]]]:
-    """Per phase: the timeline point with the highest total and the one with the highest transient."""
+    """Per phase, the points that are the same moment of the step at any depth: the highest transient
+    (the end of the forward, the start of the backward), and after the backward the highest total."""
     best: dict[str, list[tuple[int, ...]]] = {}
     for phase, values in est.timeline:
         key = phase.split(":")[0]
-        cur = best.setdefault(key, [tuple(values), tuple(values)])
-        if sum(values) > sum(cur[0]):
+        cur = best.setdefault(key, [tuple(values)] * (2 if key in _STABLE else 1))
+        if sum(values[i] for i in _TRANSIENT) > sum(cur[0][i] for i in _TRANSIENT):
             cur[0] = tuple(values)
-        if sum(values[i] for i in _TRANSIENT) > sum(cur[1][i] for i in _TRANSIENT):
+        if key in _STABLE and sum(values) > sum(cur[1]):
             cur[1] = tuple(values)
     return best
 
 
 def extrapolate(a: MemoryEstimate, b: MemoryEstimate, ks: tuple[int, int], total: int) -> BlockEstimate:
-    """``b``'s figures extrapolated to ``total`` blocks from ``a`` (``ks[0]`` blocks), ``b`` (``ks[1]``)."""
+    """``b``'s figures extrapolated to ``total`` blocks from ``a`` (``ks[0]`` blocks), ``b`` (``ks[1]``).
+
+    Only moments that are the same at every depth are extrapolated (:func:`_phase_points`): a
+    point's value changes by one block's bytes per block there. The peak is the highest of them.
+    Inside the backward, the gradients grow as the activations shrink; the peak is at its start
+    (activations) or its end (every gradient: the optimizer phase's start), which both are.
+    """
     f = (total - ks[1]) / (ks[1] - ks[0])
     pa, pb = _phase_points(a), _phase_points(b)
     timeline = tuple(
-        (phase, _vec(pa.get(phase, pts)[i], pts[i], f)) for phase, pts in pb.items() for i in (0, 1)
+        (phase, _vec(pa.get(phase, pts)[i], pts[i], f)) for phase, pts in pb.items() for i in range(len(pts))
     )
-    phases = {k: _lerp(a.phase_peak_bytes.get(k, v), v, f) for k, v in b.phase_peak_bytes.items()}
+    top_phase, top = max(timeline, key=lambda pt: sum(pt[1]))
+    phases: dict[str, int] = {}
+    for phase, values in timeline:
+        phases[phase] = max(phases.get(phase, 0), sum(values))
+    for k, v in b.phase_peak_bytes.items():
+        if ":" in k:  # the optimizer's code paths: after the backward, the same moment at any depth
+            phases[k] = _lerp(a.phase_peak_bytes.get(k, v), v, f)
     ra, rb = rank_overhead(a), rank_overhead(b)
     scaled = (
         f"extrapolated from traces of {ks[0]} and {ks[1]} of {total} identical blocks "
         f"({a.trace_seconds + b.trace_seconds:.2f} s)"
     )
     return BlockEstimate(
-        peak_bytes=_lerp(a.peak_bytes, b.peak_bytes, f),
-        breakdown={c: _lerp(a.breakdown.get(c, 0), b.breakdown.get(c, 0), f) for c in CATEGORIES},
+        peak_bytes=sum(top),
+        breakdown=dict(zip(CATEGORIES, top)),
         method=f"{b.method} (blocks)",
         precision=b.precision,
         device_kind=b.device_kind,
-        peak_phase=b.peak_phase,
-        peak_op=b.peak_op,
+        peak_phase=top_phase,
+        peak_op=b.peak_op if b.peak_phase == top_phase else None,
         batch_size=b.batch_size,
         parameter_count=_lerp(a.parameter_count, b.parameter_count, f),
         trainable_parameter_count=_lerp(a.trainable_parameter_count, b.trainable_parameter_count, f),
@@ -158,7 +178,7 @@ def extrapolate(a: MemoryEstimate, b: MemoryEstimate, ks: tuple[int, int], total
         trace_seconds=a.trace_seconds + b.trace_seconds,
         blocks_sampled=ks,
         blocks_total=total,
-        allocator_overhead=(_lerp(ra[0], rb[0], f), _lerp(ra[1], rb[1], f)),
+        allocator_overhead=(max(ra[0], rb[0]), max(ra[1], rb[1])),
     )
 
 

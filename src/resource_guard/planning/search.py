@@ -23,6 +23,7 @@ from resource_guard.planning.strategy import (
     GPUS_PER_NODE,
     SHARDED,
     RankMemory,
+    overhead_envelope,
     phase_peaks,
     rank_fit,
     rank_memory,
@@ -173,14 +174,17 @@ class Tracer:
             self._traces[key] = (est, None)
         return self._traces[key][0]
 
-    def _overhead(self, est: MemoryEstimate) -> tuple[int, int]:
-        for key, (e, cached) in self._traces.items():
-            if e is est:
+    def _overhead(self, ckpt: bool, micro: int, spec: PrecisionSpec) -> tuple[int, int]:
+        """The allocator overhead at ``micro``: the envelope over the traces of this kind up to it."""
+        tag = f"{spec.name}/{spec.param_dtype}"
+        mine: dict[int, tuple[int, int]] = {}
+        for key, (e, cached) in list(self._traces.items()):
+            if key[0] == ckpt and key[2] == tag and key[1] <= micro:
                 if cached is None:
-                    cached = rank_overhead(est)
+                    cached = rank_overhead(e)
                     self._traces[key] = (e, cached)
-                return cached  # type: ignore[no-any-return]
-        return rank_overhead(est)
+                mine[key[1]] = cached
+        return overhead_envelope(mine, micro)
 
     def evaluate(self, ckpt: bool, strategy: str, micro: int) -> Candidate:
         key = (ckpt, strategy, micro)
@@ -196,7 +200,7 @@ class Tracer:
                 gpus_per_node=self.gpus_per_node, peaks=phase_peaks(est) if sharded else None,
             )  # fmt: skip
             if strategy != "single":
-                fit = rank_fit(fit, est, rank, overhead=self._overhead(est))
+                fit = rank_fit(fit, est, rank, overhead=self._overhead(ckpt, micro, spec))
             self.evaluated[key] = Candidate(micro, ckpt, strategy, est, fit, rank)
         return self.evaluated[key]
 

@@ -66,6 +66,7 @@ __all__ = [
     "RankMemory",
     "GpuCount",
     "unit_param_bytes",
+    "overhead_envelope",
     "phase_peaks",
     "rank_memory",
     "rank_fit",
@@ -246,6 +247,19 @@ def rank_memory(
     )
     largest = max(units)
     return RankMemory(strategy, world_size, total, phase, rank_state, 0, largest, notes, policy)
+
+
+def overhead_envelope(overheads: dict[int, tuple[int, int]], micro: int) -> tuple[int, int]:
+    """The allocator overhead used at ``micro``: the largest of those traced at micro-batches up to it.
+
+    The caching allocator's rounding and fragmentation are not monotone in the batch (a segment more
+    or less), so a plan could otherwise prefer a larger micro-batch on allocator noise; a rank never
+    needs less for a larger micro-batch by this model.
+    """
+    below = [o for m, o in overheads.items() if m <= micro]
+    if not below:
+        raise ConfigurationError(f"`overhead_envelope`: no overhead traced at or below micro-batch {micro}")
+    return max(o[0] for o in below), max(o[1] for o in below)
 
 
 def rank_fit(
