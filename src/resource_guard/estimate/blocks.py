@@ -3,7 +3,7 @@
 An 80-layer decoder runs the same block 80 times; every byte a block adds (its parameters, gradients,
 optimizer state, the activations it saves for backward, the allocator's overhead on them) is the same
 for each. :func:`estimate_by_blocks` traces the model with only its first ``k₁`` and ``k₂`` blocks
-(2 and 3 by default) of the repeated container (the rest of the model unchanged) and extrapolates
+(1 and 2 by default) of the repeated container (the rest of the model unchanged) and extrapolates
 linearly to the full depth ``L``::
 
     x(L) = x(k₂) + (L − k₂) / (k₂ − k₁) · (x(k₂) − x(k₁))          (never below x(k₂))
@@ -48,7 +48,7 @@ from resource_guard.step.training import LossFn, OptimizerArg
 
 __all__ = ["BlockEstimate", "SAMPLE_BLOCKS", "estimate_by_blocks", "extrapolate", "sampleable"]
 
-SAMPLE_BLOCKS = (2, 3)
+SAMPLE_BLOCKS = (1, 2)
 _TRANSIENT = tuple(CATEGORIES.index(c) for c in ("activations", "temporaries", "inputs", "other"))
 
 

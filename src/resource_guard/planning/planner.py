@@ -329,6 +329,8 @@ def plan(
     target, per_rank = _batch_per_rank(batch, target_batch_size, world_size)
     blocks = find_checkpoint_blocks(model)
     ckpt_options, strategies = _options(model, blocks, checkpointing, world_size, strategy)
+    strategies, skipped = _replicas_that_cannot_fit(model, precision, spec, strategies)
+    reasons += skipped
 
     units = unit_param_bytes(model, precision)
     tracer = Tracer(
@@ -447,6 +449,29 @@ def _options(
     if strategy != "auto":
         return ckpt_options, [strategy]
     return ckpt_options, ["single"] if world_size == 1 else ["ddp", "fsdp"]
+
+
+def _replicas_that_cannot_fit(
+    model: nn.Module, precision: str, device: DeviceSpec, strategies: list[str]
+) -> tuple[list[str], list[str]]:
+    """Drop DDP without tracing when a full replica's parameters and gradients, plus DDP's gradient
+    buckets, exceed the device's capacity (its optimizer state can only add to that); FSDP remains."""
+    if "ddp" not in strategies or len(strategies) == 1:
+        return strategies, []
+    spec = parse_precision(precision)
+    params = {id(p): p for p in model.parameters()}.values()
+    floor = sum(
+        p.numel()
+        * (max(p.element_size(), spec.param_dtype.itemsize) if p.is_floating_point() else p.element_size())
+        * (3 if p.requires_grad else 1)
+        for p in params
+    )
+    if floor <= device.memory_bytes:
+        return strategies, []
+    return [s for s in strategies if s != "ddp"], [
+        f"ddp not traced: a replica's parameters, gradients and gradient buckets alone take "
+        f"{floor / _MiB:,.0f} MiB, more than {device.name}'s {device.memory_bytes / _MiB:,.0f} MiB"
+    ]
 
 
 def _search(
