@@ -258,6 +258,63 @@ def published_ooms() -> None:
     print(f"{hits}/{len(OOMS)} published OOMs predicted not to fit")
 
 
+# litgpt tutorials/resource-tables.md @ b73298666d31691e0c639d3f47b0d0829ba44dab: LoRA (r=8, alpha=16,
+# dropout 0.05, on q and v) of Llama-2, bf16-true, one A100-SXM4-40GB, the longest Alpaca sample
+# (1304 tokens) first; "Max GPU RAM" is torch.cuda.max_memory_allocated() / 1e9.
+LITGPT = [  # (label, layers, hidden, intermediate, heads, micro-batch, measured GB allocated or None: OOM)
+    ("Llama-2-7B LoRA mb1", 32, 4096, 11008, 32, 1, 21.30),
+    ("Llama-2-7B LoRA mb2", 32, 4096, 11008, 32, 2, 29.07),
+    ("Llama-2-7B LoRA mb4", 32, 4096, 11008, 32, 4, None),
+    ("Llama-2-13B LoRA mb1", 40, 5120, 13824, 40, 1, 38.12),
+    ("Llama-2-13B LoRA mb2", 40, 5120, 13824, 40, 2, None),
+]
+
+
+class LoRALinear(nn.Module):
+    """litgpt's LoRA linear: frozen base plus ``dropout(x) @ A.T @ B.T × alpha / r`` trained."""
+
+    def __init__(self, base: nn.Linear, r: int = 8, alpha: int = 16) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=base.weight.device))
+        self.lora_B = nn.Parameter(torch.empty(base.out_features, r, device=base.weight.device))
+        self.dropout = nn.Dropout(0.05)
+        self.scaling = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (self.dropout(x) @ self.lora_A.T @ self.lora_B.T) * self.scaling
+
+
+def litgpt_lora_runs() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    print("\nlitgpt LoRA fine-tuning on one A100-40GB (bf16-true, 1304 tokens), published measurements:")
+    device = resolve_device("a100-40gb")
+    for label, layers, hidden, inter, heads, micro, measured in LITGPT:
+        config = LlamaConfig(
+            hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=heads, vocab_size=32000, attn_implementation="sdpa",
+        )  # fmt: skip
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                attn.q_proj, attn.v_proj = LoRALinear(attn.q_proj), LoRALinear(attn.v_proj)
+        for name, p in model.named_parameters():
+            p.requires_grad_("lora_" in name)
+        ids = torch.zeros(micro, 1304, dtype=torch.long)
+        est = estimate_by_blocks(
+            model, torch.optim.AdamW, {"input_ids": ids, "labels": ids},
+            blocks=[f"model.layers.{i}" for i in range(layers)], precision="bf16-true", device="cuda",
+        )  # fmt: skip
+        fit = est.for_device(device)
+        got = f"measured {measured:.2f} GB allocated" if measured is not None else "published: out of memory"
+        print(
+            f"  {label}: predicted {fit.allocated_peak_bytes / 1e9:.2f} GB allocated, device total "
+            f"{fit.device_total_bytes / GiB:.1f} of {fit.capacity_bytes / GiB:.0f} GiB -> {fit.verdict}; {got}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=None, help="only the first N rows")
@@ -265,6 +322,7 @@ def main() -> None:
     torch.set_num_threads(1)
     published_runs(args.limit)
     published_ooms()
+    litgpt_lora_runs()
 
 
 if __name__ == "__main__":
