@@ -311,7 +311,8 @@ def litgpt_lora_runs() -> None:
         got = f"measured {measured:.2f} GB allocated" if measured is not None else "published: out of memory"
         print(
             f"  {label}: predicted {fit.allocated_peak_bytes / 1e9:.2f} GB allocated, device total "
-            f"{fit.device_total_bytes / GiB:.1f} of {fit.capacity_bytes / GiB:.0f} GiB -> {fit.verdict}; {got}"
+            f"{fit.device_total_bytes / GiB:.1f} of {fit.capacity_bytes / GiB:.0f} GiB -> {fit.verdict}; "
+            f"{got}"
         )
 
 
