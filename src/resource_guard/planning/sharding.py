@@ -151,6 +151,10 @@ class PhasePeaks:
     gradients_full: int
     optimizer_state: int
     param_itemsize: int = 4
+    points: tuple[tuple[str, int, int], ...] = ()
+    """``(phase, transient bytes, traced gradient bytes)`` over the step: the gradient shards a rank
+    holds at each moment are the traced gradients' share (none in the forward, growing through the
+    backward). Empty: every gradient shard is counted from the start of the step."""
 
 
 def sharded_rank_bytes(
@@ -181,11 +185,24 @@ def sharded_rank_bytes(
         gathered_bwd = gathered_fwd
         reduce_copy = largest * policy.reduce_dtype.itemsize // policy.param_dtype.itemsize
         grad_unit = largest + (reduce_copy if policy.reduce_dtype != policy.param_dtype else 0)
-    candidates = {
-        "forward": peaks.forward + gathered_fwd,
-        "backward": peaks.backward + gathered_bwd + grad_unit,
-        "optimizer": int(peaks.optimizer * scale / n),
-    }
+    extra = {"forward": gathered_fwd, "backward": gathered_bwd + grad_unit}
+    grads_rank = int(peaks.gradients_full * scale / n)
+    persistent = state - grads_rank
+    if peaks.points:
+        candidates = {"forward": 0, "backward": 0, "optimizer": 0}
+        for ph, transient, grads in peaks.points:
+            if ph == "optimizer":
+                value = int(transient * scale / n) + grads_rank
+            else:
+                value = transient + extra[ph] + min(int(grads * scale / n), grads_rank)
+            candidates[ph] = max(candidates[ph], persistent + value)
+        candidates = {k: v - state for k, v in candidates.items()}
+    else:
+        candidates = {
+            "forward": peaks.forward + gathered_fwd,
+            "backward": peaks.backward + gathered_bwd + grad_unit,
+            "optimizer": int(peaks.optimizer * scale / n),
+        }
     phase = max(candidates, key=lambda k: candidates[k])
     notes = (
         policy.describe(),

@@ -173,10 +173,17 @@ _TRANSIENT = tuple(_INDEX[c] for c in ("activations", "temporaries", "inputs", "
 def phase_peaks(estimate: MemoryEstimate) -> PhasePeaks:
     """The step's transient bytes at their highest per phase, and its model state (traced dtypes)."""
     best = {"forward": 0, "backward": 0, "optimizer": 0}
+    # an extrapolated estimate keeps only a few moments of its backward: count every gradient there
+    extrapolated = getattr(estimate, "blocks_sampled", None) is not None
+    full = _full_gradient_bytes(estimate)
+    points: dict[tuple[str, int], int] = {}
     for ph, v in _points(estimate):
         key = "optimizer" if ph in ("optimizer", "zero_grad", "done") else ph
         if key in best:
-            best[key] = max(best[key], sum(v[i] for i in _TRANSIENT))
+            transient = sum(v[i] for i in _TRANSIENT)
+            best[key] = max(best[key], transient)
+            grads = full if extrapolated and key == "backward" else v[_INDEX["gradients"]]
+            points[(key, transient)] = max(points.get((key, transient), 0), grads)
     b = estimate.breakdown
     return PhasePeaks(
         forward=best["forward"],
@@ -188,6 +195,7 @@ def phase_peaks(estimate: MemoryEstimate) -> PhasePeaks:
         param_itemsize=max(1, round(b.get("parameters", 0) / estimate.parameter_count))
         if estimate.parameter_count
         else 4,
+        points=tuple((ph, tr, g) for (ph, tr), g in points.items()),
     )
 
 
