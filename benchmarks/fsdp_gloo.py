@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import sys
 import tempfile
 
@@ -63,10 +64,10 @@ def _local_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _worker(rank: int, strategy: str, path: str) -> None:
+def _worker(rank: int, strategy: str, path: str, port: int) -> None:
     from resource_guard.estimate.measure import allocation_deltas, peak_of
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = Net()
@@ -107,7 +108,10 @@ def _worker(rank: int, strategy: str, path: str) -> None:
 def measured(strategy: str) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "peak")
-        mp.spawn(_worker, args=(strategy, path), nprocs=2)
+        with socket.socket() as sock:  # a free port for the rendezvous
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(_worker, args=(strategy, path, port), nprocs=2)
         with open(path) as f:
             return int(f.read())
 
