@@ -281,6 +281,28 @@ def test_checkpointing_is_required_when_nothing_fits_without_it():
     assert all("forward" not in b.__dict__ for b in model.blocks)  # the caller's model is left as it was
 
 
+def test_the_least_checkpointing_that_fits_is_chosen():
+    model = Deep()  # at micro-batch 4: 22 MiB checkpointing every block, 46 every 2nd block, 78 none
+    p = plan(model, torch.optim.SGD, torch.randn(1, 1024, 64), _loss, device="cpu", precision="32-true",
+             target_batch_size=4, memory_limit="52MiB")  # fmt: skip
+    assert (p.micro_batch_size, p.checkpoint_every, p.checkpointing) == (4, 2, True)
+    assert p.checkpointed_modules == ("blocks.0", "blocks.2", "blocks.4", "blocks.6")
+    assert any(r.startswith("selective checkpointing: every 2nd block") for r in p.reasons)
+    assert "checkpointing every 2 blocks" in p.summary() and any(a.chosen for a in p.alternatives)
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+    tight = plan(model, torch.optim.SGD, torch.randn(1, 1024, 64), _loss, device="cpu", precision="32-true",
+                 target_batch_size=4, memory_limit="40MiB")  # fmt: skip
+    assert tight.checkpoint_every == 1 and tight.micro_batch_size == 4
+
+
+def test_apply_checkpointing_every_kth_block_and_refuses_bad_k():
+    model = Deep()
+    with apply_checkpointing(model, every=3) as handle:
+        assert handle.modules == ("blocks.0", "blocks.3", "blocks.6")
+    with pytest.raises(ConfigurationError, match="every=0"):
+        apply_checkpointing(model, every=0)
+
+
 # -- strategies ------------------------------------------------------------------------------------
 def test_ddp_when_the_replica_fits_and_fsdp_when_it_does_not():
     model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(16)))  # 16.8 MB of parameters

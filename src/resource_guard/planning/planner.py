@@ -119,6 +119,8 @@ class Plan:
         device: the device planned for (capacity capped by ``memory_limit``).
         precision: Lightning precision name.
         checkpointing: whether activation checkpointing is on; ``checkpointed_modules`` names the modules.
+        checkpoint_every: 0 (off), 1 (every block) or k (every k-th block: selective, tried at the
+            chosen micro-batch when checkpointing every block was needed).
         micro_batch_size / accumulation_steps / world_size: ``micro × accumulation × world == target``.
         strategy: ``"single"``, ``"ddp"`` or ``"fsdp"``.
         target_batch_size: the effective batch size per optimizer step.
@@ -151,6 +153,7 @@ class Plan:
     headroom: float = 0.1
     rank_memory: RankMemory | None = field(default=None, repr=False)
     fsdp_precision: FsdpPrecision | None = field(default=None, repr=False)
+    checkpoint_every: int = 0
 
     @property
     def verdict(self) -> str:
@@ -168,6 +171,7 @@ class Plan:
             "precision": self.precision,
             "checkpointing": self.checkpointing,
             "checkpointed_modules": list(self.checkpointed_modules),
+            "checkpoint_every": self.checkpoint_every,
             "micro_batch_size": self.micro_batch_size,
             "accumulation_steps": self.accumulation_steps,
             "world_size": self.world_size,
@@ -186,7 +190,7 @@ class Plan:
         head = (
             f"**Plan**: {self.micro_batch_size} × {self.accumulation_steps} accumulation"
             f" × {self.world_size} ({self.strategy}) = {self.target_batch_size} on {self.device.name},"
-            f" {self.precision}, checkpointing {'on' if self.checkpointing else 'off'};"
+            f" {self.precision}, checkpointing {_ckpt_words(self.checkpoint_every)};"
             f" predicted {f.device_total_bytes / _MiB:,.1f} of {f.usable_bytes / _MiB:,.1f} MiB usable"
             f" ({self.traces} traces)"
         )
@@ -196,6 +200,10 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _ckpt_words(every: int) -> str:
+    return "off" if not every else "on" if every == 1 else f"every {every} blocks"
 
 
 # -- rules ------------------------------------------------------------------------------------------
@@ -348,6 +356,9 @@ def plan(
     if not found:
         raise no_fit_error(tracer, spec, catalog, headroom, rows, units)
     best = _cheapest(found, per_rank)
+    if best.ckpt and checkpointing == "auto" and tracer.blocks and len(tracer.blocks) >= 6:
+        best = _least_checkpointing(tracer, best, reasons)
+        rows = tracer.alternatives(per_rank)
 
     reasons += batch_reasons(best, found, per_rank, target, world_size, tracer)
     if best.strategy in SHARDED:
@@ -367,8 +378,9 @@ def plan(
     return Plan(
         device=spec,
         precision=precision,
-        checkpointing=best.ckpt,
-        checkpointed_modules=blocks if best.ckpt else (),
+        checkpointing=bool(best.ckpt),
+        checkpointed_modules=blocks[:: int(best.ckpt)] if best.ckpt else (),
+        checkpoint_every=int(best.ckpt),
         micro_batch_size=best.micro,
         accumulation_steps=per_rank // best.micro,
         world_size=world_size,
@@ -502,6 +514,18 @@ def _cheapest(found: list[Candidate], per_rank: int) -> Candidate:
     if plain and ckpt_best is not None and cost(ckpt_best) < CHECKPOINT_MARGIN * cost(best):
         return ckpt_best
     return best
+
+
+def _least_checkpointing(tracer: Tracer, best: Candidate, reasons: list[str]) -> Candidate:
+    """At the chosen micro-batch, checkpoint every second block only, if that fits too (one trace)."""
+    half = tracer.evaluate(2, best.strategy, best.micro)
+    if not half.fits:
+        return best
+    reasons.append(
+        f"selective checkpointing: every 2nd block suffices at micro-batch {best.micro} "
+        f"({half.fit.device_total_bytes / _MiB:,.1f} MiB; half the recompute of checkpointing every block)"
+    )
+    return half
 
 
 def _mark_chosen(rows: tuple[Alternative, ...], best: Candidate) -> tuple[Alternative, ...]:
