@@ -218,6 +218,19 @@ def test_exit_1_when_the_step_does_not_fit_a_catalog_device(
     assert code == 0 and "on roomy-gpu (cuda, 80.00 GiB)" in out and "  FITS, " in out
 
 
+def test_other_devices_are_a_table_with_a_verdict_each_never_none(
+    factories: Path, tiny_catalog: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["preflight", f"{factories}:build", "--catalog", str(tiny_catalog), "--device", "tiny-gpu"]
+    code, out, _ = _run(argv, capsys)
+    assert code == 1
+    section = out.split("\nother devices")[1]
+    assert "none" not in section  # every compared device fits here: no "not on none"
+    rows = dict(re.findall(r"^  ([\w-]+) .* (fits|does not fit)$", section, re.MULTILINE))
+    assert {"t4", "a100-40gb", "h100-sxm"} <= set(rows) and set(rows.values()) == {"fits"}
+    assert "\x1b[" not in out and "|" not in out and "**" not in out
+
+
 def test_exit_1_for_the_demo_on_a_small_catalog_device(
     tiny_catalog: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -324,8 +337,9 @@ def test_devices_lists_the_catalog_and_the_detected_cpu(capsys: pytest.CaptureFi
     code, out, err = _run(["devices"], capsys)
     assert (code, err) == (0, "")
     catalog_part, detected_part = out.split("\ndetected on this machine:\n")
-    assert re.search(r"^a100-40gb +cuda +40\.00 GiB +yes +8\.0 +312 ", catalog_part, re.MULTILINE)
+    assert re.search(r"^  a100-40gb +cuda +40\.00 GiB +yes +8\.0 +312 ", catalog_part, re.MULTILINE)
     assert re.search(r"^  cpu +cpu +\d", detected_part, re.MULTILINE)
+    assert "\x1b[" not in out and "|" not in out  # not a terminal here: plain, aligned text
 
 
 def test_devices_json(tiny_catalog: Path, capsys: pytest.CaptureFixture[str]) -> None:

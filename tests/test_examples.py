@@ -106,7 +106,8 @@ def test_demo_command_trains_writes_tensorboard_and_prints_the_report(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "**Plan**" in result.stdout and "# resource_guard report" in result.stdout
+    assert "Plan: " in result.stdout and "resource_guard report: verdict" in result.stdout
+    assert "**" not in result.stdout and "\x1b[" not in result.stdout  # a pipe: plain text, no Markdown
     assert "accumulation" in result.stdout  # the 256 MiB cap forces micro-batches
     events = EventAccumulator(str(tmp_path))
     events.Reload()

@@ -24,6 +24,8 @@ from resource_guard.frontdoors.context import Guard, guard
 from resource_guard.observe.monitor import RunMonitor
 from resource_guard.planning.checkpointing import apply_checkpointing
 from resource_guard.planning.planner import Plan, plan
+from resource_guard.planning.projection import Projection, ProjectionRow, project_training
+from resource_guard.planning.steptime import Calibration, Interconnect
 from resource_guard.report.findings import Finding, Report
 from resource_guard.step.precision import PRECISIONS, PrecisionSpec, parse_precision
 
@@ -35,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CATEGORIES",
     "PRECISIONS",
+    "Calibration",
     "Catalog",
     "ConfigurationError",
     "DeviceFit",
@@ -42,10 +45,13 @@ __all__ = [
     "DoesNotFitError",
     "Finding",
     "Guard",
+    "Interconnect",
     "MeasuredStep",
     "MemoryEstimate",
     "Plan",
     "PrecisionSpec",
+    "Projection",
+    "ProjectionRow",
     "Report",
     "ResourceGuard",
     "ResourceGuardError",
@@ -60,6 +66,7 @@ __all__ = [
     "parse_bytes",
     "parse_precision",
     "plan",
+    "project_training",
     "resolve_device",
 ]
 

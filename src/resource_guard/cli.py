@@ -115,48 +115,9 @@ def _fit_rows(estimate: Any, device: Any, headroom: float, catalog: Any) -> tupl
 
 
 def _print_report(target: str, estimate: Any, fit: Any, others: list[Any], headroom: float) -> None:
-    out = print
-    count = estimate.parameter_count / 1e6
-    out(f"resource-guard preflight: {target}")
-    out(
-        f"  model {count:.1f}M parameters ({estimate.trainable_parameter_count / 1e6:.1f}M trainable), "
-        f"batch {estimate.batch_size if estimate.batch_size is not None else '?'}, {estimate.precision}, "
-        f"method {estimate.method}, {estimate.trace_seconds:.1f} s"
-    )
-    where = f"{estimate.peak_phase}, {estimate.peak_op}" if estimate.peak_phase else "analytic"
-    out(f"\none training step, live tensor memory at the peak ({where}):")
-    for name, value in estimate.breakdown.items():
-        out(f"  {name:<18}{format_bytes(value):>14}")
-    out(f"  {'peak':<18}{format_bytes(estimate.peak_bytes):>14}")
-    dev = fit.device
-    out(f"\non {dev.name} ({dev.kind}, {format_bytes(fit.capacity_bytes)}):")
-    rows = [
-        ("allocated peak (max_memory_allocated)", fit.allocated_peak_bytes),
-        ("reserved peak (max_memory_reserved)", fit.reserved_peak_bytes),
-        ("context + libraries", fit.context_bytes),
-        ("device total (as nvidia-smi shows)", fit.device_total_bytes),
-        (f"usable ({headroom:.0%} headroom kept free)", fit.usable_bytes),
-    ]
-    for label, value in rows:
-        out(f"  {label:<40}{format_bytes(value):>14}")
-    if fit.verdict == "fits":
-        out(f"  FITS, {format_bytes(fit.usable_bytes - fit.device_total_bytes)} to spare within the headroom")
-    elif fit.verdict == "fits tight":
-        out(
-            f"  FITS TIGHT: {format_bytes(fit.device_total_bytes - fit.usable_bytes)} into the headroom, "
-            f"{format_bytes(fit.capacity_bytes - fit.device_total_bytes)} below capacity"
-        )
-    else:
-        out(
-            "  DOES NOT FIT: needs "
-            f"{format_bytes(fit.device_total_bytes - fit.usable_bytes)} more than usable"
-        )
-    if others:
-        yes = [f.device.name for f in others if f.fits]
-        no = [f.device.name for f in others if not f.fits]
-        out(f"\nother devices: fits on {', '.join(yes) or 'none'}; not on {', '.join(no) or 'none'}")
-    for note in estimate.warnings:
-        out(f"note: {note}")
+    from resource_guard.report.terminal import render_preflight
+
+    render_preflight(target, estimate, fit, others, headroom)
 
 
 def _preflight(args: argparse.Namespace) -> int:
@@ -166,6 +127,8 @@ def _preflight(args: argparse.Namespace) -> int:
 
     if args.batch_size is not None and args.batch_size <= 0:
         raise _BadInput(f"--batch-size {args.batch_size} must be a positive integer.")
+    if _wants_projection(args):
+        return _preflight_projection(args)
     if not 0 <= args.headroom < 0.9:
         raise _BadInput(f"--headroom {args.headroom} must be in [0, 0.9).")
     spec = parse_precision(args.precision)
@@ -193,6 +156,147 @@ def _preflight(args: argparse.Namespace) -> int:
     return 0 if fit.fits else 1
 
 
+# -- preflight --train-tokens/--train-samples/--epochs: time and cost over the catalog (issue #13) ----
+class _DefaultPrecision(str):
+    """The --precision default, told apart from an explicit ``--precision 32-true`` (projection: auto)."""
+
+
+def _add_projection_args(pre: argparse.ArgumentParser) -> None:
+    pre.set_defaults(precision=_DefaultPrecision("32-true"))
+    group = pre.add_argument_group(
+        "time and cost projection (any of --train-tokens, --train-samples, --epochs switches it on)"
+    )
+    group.add_argument("--train-tokens", type=int, default=None, help="tokens to train on")
+    group.add_argument("--train-samples", type=int, default=None, help="samples to train on")
+    group.add_argument("--epochs", type=float, default=None, help="epochs over --dataset-size samples")
+    group.add_argument("--dataset-size", type=int, default=None, help="samples in one epoch")
+    group.add_argument("--gpus", default="1,2,4,8", help="GPU counts to project (default 1,2,4,8)")
+    group.add_argument("--devices", default=None, help="catalog devices, comma-separated (default: all GPUs)")
+    group.add_argument("--target-batch-size", type=int, default=None, help="samples per optimizer step")
+    group.add_argument("--max-hours", type=float, default=None, help="limit on the training's hours")
+    group.add_argument("--max-cost", type=float, default=None, help="limit on the training's cost, USD")
+    group.add_argument("--efficiency", type=float, default=None, help="share of peak FLOP/s (default 0.40)")
+    group.add_argument("--calibrate", default=None, help="a monitored run's log dir or report.json")
+    group.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    group.add_argument("--inter-node-gbps", type=float, default=None, help="GB/s per GPU between nodes")
+
+
+def _wants_projection(args: argparse.Namespace) -> bool:
+    return any(
+        getattr(args, k, None) is not None
+        for k in ("train_tokens", "train_samples", "epochs", "dataset_size")
+    )
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise _BadInput(f"{flag} {text!r} must be positive integers separated by commas, e.g. 1,2,4,8.")
+    return values
+
+
+def _preflight_projection(args: argparse.Namespace) -> int:
+    from resource_guard.devices import load_catalog
+    from resource_guard.planning.projection import project_training
+    from resource_guard.planning.steptime import Calibration, Interconnect
+
+    gpus = _int_list(args.gpus, "--gpus")
+    catalog = load_catalog(args.catalog)
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    calibration = Calibration.from_report(args.calibrate, catalog) if args.calibrate else None
+    link = Interconnect(gpus_per_node=args.gpus_per_node, inter_node_gbps=args.inter_node_gbps)
+    precision = "auto" if isinstance(args.precision, _DefaultPrecision) else args.precision
+    model, optimizer, batch, loss_fn = load_target(args.target, args.batch_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        proj = project_training(
+            model,
+            optimizer,
+            batch,
+            loss_fn,
+            train_samples=args.train_samples,
+            train_tokens=args.train_tokens,
+            epochs=args.epochs,
+            dataset_size=args.dataset_size,
+            target_batch_size=args.target_batch_size,
+            devices=devices,
+            gpus=gpus,
+            max_hours=args.max_hours,
+            max_cost=args.max_cost,
+            precision=precision,
+            headroom=args.headroom,
+            efficiency=args.efficiency,
+            calibration=calibration,
+            interconnect=link,
+            catalog=catalog,
+        )
+    if args.json:
+        print(json.dumps({"target": args.target, **proj.to_dict()}, indent=2))
+    else:
+        _print_projection(args.target, proj)
+    return 0 if proj.recommended("fastest") is not None else 1
+
+
+def _print_projection(target: str, proj: Any) -> None:
+    from resource_guard.planning.projection import checkpointing_on
+
+    tokens = f", {proj.tokens_per_sample} tokens each" if proj.tokens_per_sample else ""
+    flops = proj.flops.forward_per_sample + proj.flops.backward_per_sample
+    cal = proj.calibration
+    eff = (
+        f"calibrated on {cal.device} ({cal.achieved_flops_per_s / 1e12:.3g} TFLOP/s measured, {cal.source})"
+        if cal is not None
+        else "assumed (no monitored run; --calibrate LOGDIR to measure it)"
+    )
+    if cal is not None and not any(r.calibrated for r in proj.rows):
+        eff = (
+            f"assumed: the run on {cal.device} has no catalog peak to turn into an efficiency, so it "
+            f"calibrates only {cal.device} rows (--devices {cal.device})"
+        )
+    print(f"resource-guard preflight: {target}: time and cost to train")
+    print(
+        f"  {proj.train_samples:,} samples{tokens}; {proj.optimizer_steps:,} optimizer steps of "
+        f"{proj.target_batch_size}; {flops / 1e9:,.3g} GFLOP per sample (forward + backward)"
+    )
+    print(f"  efficiency {proj.efficiency:.0%} of peak: {eff}")
+    link = proj.interconnect
+    print(
+        f"  interconnect: {link.gpus_per_node} GPUs/node, NVLink where the part has it else PCIe 4.0; "
+        "between nodes 50 GB/s per GPU (H100/H200/MI300X) or 25 GB/s"
+        if link.inter_node_gbps is None
+        else f"  interconnect: {link.gpus_per_node} GPUs/node, {link.inter_node_gbps:g} GB/s/GPU across nodes"
+    )
+    head = (
+        f"{'device':<11}{'GPUs':>6}  {'plan':<30}{'step':>10}{'hours':>10}{'$/h/GPU':>9}{'cost $':>11}  bound"
+    )
+    print("\n" + head)
+    for r in proj.rows:
+        gpus = f"{r.nodes}x{r.gpus // r.nodes}" if r.nodes > 1 else str(r.gpus)
+        if not r.fits or r.step_s is None:
+            print(f"{r.device:<11}{gpus:>6}  {'-- ' + (r.reason or 'does not fit')}")
+            continue
+        p = r.plan
+        plan = f"{p['micro_batch_size']}x{p['accumulation_steps']} {p['precision']} {p['strategy']}"
+        ckpt = p["checkpointing"]
+        plan += "" if not checkpointing_on(ckpt) else " +ckpt" if ckpt is True else f" +ckpt:{ckpt}"
+        price = f"{r.usd_per_hour:.2f}" if r.usd_per_hour is not None else "-"
+        cost = f"{r.cost_usd:,.2f}" if r.cost_usd is not None else "-"
+        marks = " ".join([*r.recommended, *(["(calibrated)"] if r.calibrated else [])])
+        cells = f"{_seconds(r.step_s):>10}{r.hours:>10,.3g}{price:>9}{cost:>11}"
+        tail = f"  {r.bound:<14}{'<- ' + marks if marks else ''}"
+        print(f"{r.device:<11}{gpus:>6}  {plan:<30}{cells}{tail}".rstrip())
+    if proj.recommended("fastest") is None:
+        print("\nnothing fits within the limits (--max-hours, --max-cost)")
+    print(f"\n({proj.plan_calls} plans for {len(proj.rows)} rows, {proj.seconds:.1f} s)")
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:,.3g} s"
+
+
 def _devices(args: argparse.Namespace) -> int:
     from resource_guard.devices import detect_local_devices, load_catalog
 
@@ -202,23 +306,9 @@ def _devices(args: argparse.Namespace) -> int:
         rows = [_spec_dict(catalog.get(n)) for n in catalog.names()]
         print(json.dumps({"catalog": rows, "detected": [_spec_dict(d) for d in local]}, indent=2))
         return 0
-    print(
-        f"{'name':<14}{'kind':<6}{'memory':>12}  {'bf16':<5}{'cc':<5}"
-        f"{'bf16 TFLOP/s':>13}{'GB/s':>8}{'$/h':>7}"
-    )
-    for name in catalog.names():
-        d = catalog.get(name)
-        bf16 = d.peak_tflops.get("bf16")
-        print(
-            f"{d.name:<14}{d.kind:<6}{format_bytes(d.memory_bytes):>12}  {'yes' if d.bf16 else 'no':<5}"
-            f"{d.compute_capability or '-':<5}{(f'{bf16:g}' if bf16 else '-'):>13}"
-            f"{(f'{d.memory_bandwidth_gbps:g}' if d.memory_bandwidth_gbps else '-'):>8}"
-            f"{(f'{d.price_per_hour_usd:.2f}' if d.price_per_hour_usd else '-'):>7}"
-        )
-    print("\ndetected on this machine:")
-    for d in local:
-        free = f", {format_bytes(d.free_bytes)} free" if d.free_bytes is not None else ""
-        print(f"  {d.name:<10}{d.kind:<6}{format_bytes(d.memory_bytes)}{free}  {d.display_name}")
+    from resource_guard.report.terminal import render_devices
+
+    render_devices(catalog, local)
     return 0
 
 
@@ -240,7 +330,7 @@ def _spec_dict(d: Any) -> dict[str, Any]:
 def _report(args: argparse.Namespace) -> int:
     from resource_guard.report.findings import report_command
 
-    return report_command(args.logdir, as_json=args.json)
+    return report_command(args.logdir, as_json=args.json, as_markdown=args.markdown)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -248,16 +338,26 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.steps <= 0:
         raise _BadInput(f"--steps {args.steps} must be a positive integer.")
+    from resource_guard.planning.nofit import NoFitReport
+    from resource_guard.report.terminal import make_console, render_nofit, render_plan, render_report
+
+    console = make_console()
     try:
         g = run_demo(args.steps, log_dir=args.log_dir, memory_limit=args.memory_limit or None)
     except DoesNotFitError as exc:
-        print(str(exc))
+        if isinstance(exc.report, NoFitReport):
+            render_nofit(exc.report, console)
+        else:
+            console.print(str(exc))
         return 1
     assert g.plan is not None
-    print(g.plan.summary())
-    print()
-    print(g.report.to_markdown() if g.report is not None else "(monitoring was off: no report)")
-    print(
+    render_plan(g.plan, console)
+    console.print()
+    if g.report is not None:
+        render_report(g.report, console)
+    else:
+        console.print("(monitoring was off: no report)")
+    console.print(
         f"\nLogs: {args.log_dir}  (tensorboard --logdir {args.log_dir}; resource-guard report {args.log_dir})"
     )
     return 0
@@ -286,6 +386,7 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument(
         "--strict", action="store_true", help="exit 1 also when it only fits tight (inside the headroom)"
     )
+    _add_projection_args(pre)
     dev = sub.add_parser("devices", help="list the device catalog and the devices detected here")
     dev.add_argument("--catalog", default=None, help="a YAML device catalog merged over the bundled one")
     dev.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -297,7 +398,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     rep = sub.add_parser("report", help="print the bottleneck report of a finished run")
     rep.add_argument("logdir", help="the run's log dir (report.json in it or in a directory below it)")
-    rep.add_argument("--json", action="store_true", help="print report.json instead of markdown")
+    shown = rep.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="print report.json instead of the tables")
+    shown.add_argument("--markdown", action="store_true", help="print the report as Markdown (report.md)")
     return parser
 
 

@@ -291,3 +291,53 @@ def test_the_monitor_gets_the_model_flops_of_a_loader_batch(tmp_path: Path) -> N
     summary = json.loads((tmp_path / "report.json").read_text())["summary"]
     assert expected and summary["flops_per_step"] == pytest.approx(expected)
     assert g.report is not None
+
+
+class LogitsLM(nn.Module):
+    """Returns logits; the loop computes the loss (the commonest model there is)."""
+
+    def __init__(self, vocab: int = 1000, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(tokens)))
+
+
+def test_a_logits_model_trains_through_guard_without_loss_fn() -> None:
+    torch.manual_seed(0)
+    model = LogitsLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    loader = [(torch.randint(0, 1000, (16, 32), generator=g),) * 2 for _ in range(3)]
+    before = model.head.weight.detach().clone()
+    with guard(model, optimizer, device="cpu", precision="32-true", monitor=False) as gd:
+        for tokens, targets in gd.iterate(loader):
+            with gd.autocast():
+                loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            gd.backward(loss)
+    assert gd.optimizer_steps == 3
+    assert not torch.equal(before, model.head.weight)
+    assert gd.plan is not None
+    stated = [r for r in gd.plan.reasons if r.startswith("loss: stand-in")]
+    assert len(stated) == 1 and "pass loss_fn= for an exact estimate" in stated[0]
+    assert gd.plan.summary().count("loss: stand-in") == 1
+
+
+def test_with_loss_fn_or_a_model_that_returns_its_loss_no_standin_is_stated() -> None:
+    from resource_guard.demo import TinyGPT
+
+    def ce(m: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]).flatten(0, 1), batch[1].flatten())
+
+    tokens = torch.randint(0, 100, (4, 8))
+    cases = [(LogitsLM(vocab=100), ce), (TinyGPT(vocab_size=100, d_model=16, n_layers=1, seq_len=8), None)]
+    for model, loss_fn in cases:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        kwargs = {"device": "cpu", "precision": "32-true", "monitor": False, "loss_fn": loss_fn}
+        with guard(model, optimizer, **kwargs) as g:
+            for batch in g.iterate([(tokens, tokens)]):
+                g.backward(ce(model, batch) if loss_fn is not None else model(*batch))
+        assert g.plan is not None and g.optimizer_steps == 1
+        assert not any("stand-in" in r for r in g.plan.reasons)

@@ -206,9 +206,14 @@ def _write(directory: Path) -> Report:
     return r
 
 
-def test_report_command_prints_markdown_or_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_command_prints_tables_markdown_or_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     r = _write(tmp_path / "lightning_logs" / "version_0")
     assert report_command(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "verdict input-bound" in out and "**" not in out and "\x1b[" not in out
+    assert report_command(str(tmp_path), as_markdown=True) == 0
     assert capsys.readouterr().out.strip() == r.to_markdown().strip()
     assert report_command(str(tmp_path / "lightning_logs" / "version_0"), as_json=True) == 0
     assert json.loads(capsys.readouterr().out)["verdict"] == "input-bound"
@@ -227,7 +232,57 @@ def test_cli_report_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
     r = _write(tmp_path)
     assert main(["report", str(tmp_path)]) == 0
+    assert f"verdict {r.verdict}" in capsys.readouterr().out
+    assert main(["report", str(tmp_path), "--markdown"]) == 0
     assert f"**Verdict: {r.verdict}**" in capsys.readouterr().out
     assert main(["report", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["findings"][0]["id"] == "input-bound"
     assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+# -- memory: like with like ------------------------------------------------------------------------
+
+MiB = 2**20
+
+
+def _rows(stats: RunStats) -> dict[str, str]:
+    from resource_guard.report.markdown import summary_rows
+
+    return dict(summary_rows(stats))
+
+
+def test_cpu_rss_is_labelled_the_whole_process_and_not_set_beside_the_estimate() -> None:
+    stats = RunStats(
+        steps=12,
+        peak_memory_bytes=965 * MiB,
+        peak_memory_source="rss",
+        estimated_peak_bytes=222 * MiB,
+        capacity_bytes=16 * GiB,
+    )
+    md = analyze(stats).to_markdown()
+    assert "peak memory (rss)" not in md and "| estimated peak |" not in md
+    rows = _rows(stats)
+    assert rows["process RSS peak (whole process)"] == "965.00 MiB"
+    assert rows["pre-flight tensor estimate (not comparable with RSS)"] == "222.00 MiB"
+    assert not any("vs estimate" in name for name in rows)
+    names = list(rows)  # the estimate is not the RSS row's neighbour
+    assert (
+        names.index("pre-flight tensor estimate (not comparable with RSS)")
+        - names.index("process RSS peak (whole process)")
+        > 1
+    )
+    assert "not compared" in md  # the note says why
+    assert rule_estimate_drift(stats) is None
+
+
+def test_cuda_allocator_peak_is_set_beside_the_estimate_of_the_same_quantity() -> None:
+    stats = dataclasses.replace(
+        GPU, peak_memory_bytes=240 * MiB, peak_memory_source="cuda_allocated", estimated_peak_bytes=200 * MiB
+    )
+    rows = _rows(stats)
+    names = list(rows)
+    at = names.index("peak allocated (max_memory_allocated)")
+    assert names[at + 1 : at + 3] == ["estimated allocated peak", "measured vs estimate"]
+    assert rows["measured vs estimate"] == "+20.0%"
+    drift = analyze(stats).finding("estimate-drift")
+    assert drift is not None and drift.evidence["error"] == 0.2

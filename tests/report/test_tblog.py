@@ -27,9 +27,7 @@ from torch.utils.tensorboard import SummaryWriter
 from resource_guard.estimate import estimate_memory
 from resource_guard.observe.monitor import RunMonitor
 from resource_guard.report import tensorboard as tblog
-from resource_guard.report.tensorboard import TBLog, custom_scalar_layout, memory_picture, png_bytes
-
-RED = np.array([220, 0, 0])
+from resource_guard.report.tensorboard import TBLog, custom_scalar_layout
 
 
 def _accumulator(log_dir: Path) -> EventAccumulator:
@@ -96,21 +94,6 @@ def test_a_given_writer_is_flushed_but_not_closed(tmp_path: Path) -> None:
 def test_tblog_needs_a_writer_or_a_log_dir() -> None:
     with pytest.raises(ValueError, match="writer or a log_dir"):
         TBLog().scalars(0, {"x": 1.0})
-
-
-def test_memory_picture_draws_the_capacity_when_it_is_near_the_peak() -> None:
-    timeline = [("forward", (100, 0, 0, 50, 0, 10, 0)), ("backward", (100, 80, 0, 20, 30, 10, 0))]
-
-    def red_pixels(image: np.ndarray) -> int:
-        return int((np.abs(image.astype(int) - RED).sum(axis=2) == 0).sum())
-
-    near = memory_picture(timeline, capacity_bytes=400, width=600, height=200)
-    assert near.shape == (200, 600, 3) and near.dtype == np.uint8
-    assert red_pixels(near) > 2 * (600 - 70 - 190)  # the 2-pixel capacity line across the plot
-    far = memory_picture(timeline, capacity_bytes=10**12, width=600, height=200)
-    assert red_pixels(far) < red_pixels(near) / 2  # off scale: written in the legend, not drawn
-    assert png_bytes(near).startswith(b"\x89PNG\r\n\x1a\n")
-    assert memory_picture([], None, width=120, height=80).shape == (160, 400, 3)
 
 
 def test_the_monitor_writes_the_picture_of_its_estimate(tmp_path: Path) -> None:

@@ -14,6 +14,11 @@ out-of-memory error (``torch.OutOfMemoryError``, by type), the monitor also writ
 figures into ``oom.json`` and the report (finding ``oom``), and on CUDA with ``memory_history=True`` a
 memory snapshot for https://pytorch.org/memory_viz (see :mod:`resource_guard.observe.oom`).
 
+Without ``loss_fn`` the guard plans from the model's own loss when its output carries one, else from a
+stated stand-in (:class:`~resource_guard.step.training.StandInLoss`: a cross-entropy-shaped float32
+reduction of the outputs), so a model that returns logits while the loop computes the loss works as
+written; the plan's reasons then say so once, and ``loss_fn=`` makes the estimate exact.
+
 Example:
     >>> import torch
     >>> from resource_guard import guard
@@ -32,11 +37,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -48,7 +54,7 @@ from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.observe.oom import is_oom
 from resource_guard.step.batching import split_batch
 from resource_guard.step.precision import autocast_context, parse_precision
-from resource_guard.step.training import LossFn, batch_size_of, map_tensors
+from resource_guard.step.training import LossFn, StandInLoss, batch_size_of, map_tensors
 
 if TYPE_CHECKING:
     from resource_guard.devices import DeviceSpec
@@ -201,18 +207,21 @@ class Guard:
                 "`target_batch_size=`."
             )
         self._target = target
+        loss_fn = self.loss_fn if self.loss_fn is not None else StandInLoss()
         made = plan(
             self.model,
             self.optimizer,
             batch,
-            self.loss_fn,
+            loss_fn,
             target_batch_size=target,
             **self._plan_kwargs,
         )
+        if isinstance(loss_fn, StandInLoss) and loss_fn.used:
+            made = dataclasses.replace(made, reasons=(*made.reasons, StandInLoss.REASON))
         device = torch_device_of(made.device)
         self.plan, self.device = made, device
         if self._monitor_on:  # model FLOPs, before checkpointing adds its recomputation
-            self._flops_per_sample = _flops_per_sample(self.model, batch, self.loss_fn)
+            self._flops_per_sample = _flops_per_sample(self.model, batch, loss_fn)
         self.model.to(device)
         _move_optimizer_state(self.optimizer, device)
         if made.checkpointing:
@@ -268,9 +277,11 @@ class Guard:
         if not self._entered:
             raise ConfigurationError("call `g.iterate(...)` inside `with guard(...) as g:`.")
         non_blocking = bool(getattr(loader, "pin_memory", False))
+        self._expect_steps(loader)
         for batch in loader:
             if self.plan is None:
                 self._setup(batch)
+                self._expect_steps(loader)
             if self._flops_per_sample is not None and self._monitor is not None:
                 # the monitor's step is one loader batch: MFU from the FLOPs of that many samples
                 self._monitor.flops_per_step = self._flops_per_sample * (batch_size_of(batch) or 1)
@@ -286,6 +297,12 @@ class Guard:
             self._call_monitor("step_end")
         if self._pending:
             self._finish_partial_step()
+
+    def _expect_steps(self, loader: Iterable[Any]) -> None:
+        """The monitor's step count at the end of this pass over ``loader`` (the report's ETA), if sized."""
+        if self._monitor is not None and isinstance(loader, Sized):
+            with contextlib.suppress(TypeError):  # a loader whose len() is undefined
+                self._monitor.total_steps = self._monitor.steps + len(loader)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Autocast for the planned precision on the planned device (a no-op for ``*-true``)."""
@@ -429,7 +446,8 @@ def _check_device_and_catalog(device: Any, catalog: Any) -> Any:
 def _flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> float | None:
     """FLOPs of forward + backward per sample, counted on fake tensors (for MFU); None if unknown.
 
-    Counted only with an explicit ``loss_fn``: the loop's own loss is not visible to the guard.
+    ``loss_fn`` is the one the plan used (the stand-in when none was given; its few FLOPs beside the
+    model's are within MFU's precision).
     """
     from resource_guard.observe.throughput import count_flops
 

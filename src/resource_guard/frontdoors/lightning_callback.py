@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -355,6 +356,7 @@ class ResourceGuard(Callback):
                 else None
             ),
         )
+        self._monitor.total_steps = _total_batches(trainer)
         self._monitor.start()
 
     def on_train_batch_start(
@@ -478,3 +480,14 @@ def _flops_per_sample(pl_module: pl.LightningModule, batch: Any) -> float | None
     size = batch_size_of(batch)
     flops = count_flops(pl_module, batch, ap.training_step_loss) if size else None
     return flops / size if flops and size else None
+
+
+def _total_batches(trainer: pl.Trainer) -> int | None:
+    """Training batches the fit will run (the monitor's steps), for the report's ETA; None if unbounded."""
+    try:
+        steps = float(trainer.estimated_stepping_batches)
+    except Exception:  # no loader length yet (iterable datasets), or Lightning could not tell
+        return None
+    if not math.isfinite(steps) or steps <= 0:
+        return None
+    return int(steps) * max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))

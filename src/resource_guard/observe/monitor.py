@@ -157,6 +157,8 @@ class RunMonitor(MonitorOutputs):
         self.loader_info = dict(loader_info or {})
         self.flops_per_step, self.precision, self.summary = flops_per_step, precision, summary
         self.memory_history = memory_history
+        self.total_steps: int | None = None  # set by the front door when known: ETA and cost of the rest
+        self._remaining: dict[str, Any] | None = None
         self.report: Report | None = None
         self._history = False
         self._oom: OomEvent | None = None
@@ -274,6 +276,11 @@ class RunMonitor(MonitorOutputs):
         except Exception as exc:
             self._break(exc)
 
+    @property
+    def steps(self) -> int:
+        """Steps (``step_end`` calls) recorded so far."""
+        return self._step
+
     def close(self, exc: BaseException | None = None) -> Report | None:
         """Stop everything, write the report (rank zero) and return it. Idempotent; never raises."""
         if self._closed:
@@ -334,7 +341,7 @@ class RunMonitor(MonitorOutputs):
             flops_per_step=self.flops_per_step,
             peak_flops_per_s=self._peak_flops(),
             capacity_bytes=self._capacity(),
-            estimated_peak_bytes=self.estimate.peak_bytes if self.estimate is not None else None,
+            estimated_peak_bytes=self._estimated_peak_bytes(),
             precision=self.precision,
             loader_info=self.loader_info,
             world_size=self.world_size,

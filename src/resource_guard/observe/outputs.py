@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,10 +21,12 @@ from resource_guard.observe.oom import SNAPSHOT_FILE, OomEvent, memory_history, 
 from resource_guard.observe.sampler import peak_rss_bytes, reset_peak_rss
 from resource_guard.observe.stats import METRIC_KEYS, interval_row, job_row, tensorboard_scalars
 from resource_guard.observe.throughput import aggregate_rows
+from resource_guard.planning.projection_result import remaining_markdown, remaining_run
 from resource_guard.report.findings import Report
 from resource_guard.report.tensorboard import memory_picture, png_bytes
 
 if TYPE_CHECKING:
+    from resource_guard.devices import DeviceSpec
     from resource_guard.estimate import MemoryEstimate
     from resource_guard.observe.sampler import Sampler
     from resource_guard.observe.throughput import StepTimer
@@ -44,10 +45,13 @@ class MonitorOutputs:
 
     device: torch.device
     estimate: MemoryEstimate | None
+    device_spec: DeviceSpec | None
     stall_threshold: float
     world_size: int
     rank: int
     flops_per_step: float | None
+    total_steps: int | None
+    _remaining: dict[str, Any] | None
     _timer: StepTimer | None
     _sampler: Sampler | None
     _events: list[tuple[Any, Any]]
@@ -60,6 +64,7 @@ class MonitorOutputs:
     _guard: Callable[..., Any]
     _peak_flops: Callable[[], float | None]
     _capacity: Callable[[], int | None]
+    _comparable_estimate: int | None = None  # cached by _estimated_peak_bytes
     _collective_device: Callable[[], torch.device | None]
 
     @property
@@ -87,9 +92,7 @@ class MonitorOutputs:
             stall_threshold=self.stall_threshold,
             device_compute_s=device_compute_s,
             peak_bytes=peak,
-            estimated_peak_bytes=self.estimate.peak_bytes
-            if self._cuda and self.estimate is not None
-            else None,
+            estimated_peak_bytes=self._estimated_peak_bytes() if self._cuda else None,
             gpu_index=self.device.index or 0,
         )
         values = list(row.values())
@@ -103,10 +106,29 @@ class MonitorOutputs:
             peak_flops_per_s=self._peak_flops(),
         )
         self._intervals.append(tuple(agg[k] for k in METRIC_KEYS))
+        self._guard("projection", self._project_remaining, agg.get("time/step_s"))
         if self._tb is None:
             return
         out = tensorboard_scalars(agg, maxes, gauges, world_size=self.world_size)
         self._guard("TensorBoard", lambda: self._tb.scalars(self._step, out), off="_tb")  # type: ignore[union-attr]
+
+    def _estimated_peak_bytes(self) -> int | None:
+        """The estimate of what this run measures: on CUDA the allocator model's
+        ``max_memory_allocated`` (tensor bytes rounded to the allocator's blocks) for the device, else
+        the live tensor bytes at the step's peak (reported, never compared with the CPU's RSS)."""
+        estimate = self.estimate
+        if estimate is None:
+            return None
+        if self._comparable_estimate is not None:
+            return self._comparable_estimate
+        value = estimate.peak_bytes
+        if self._cuda and self.device_spec is not None:
+            try:
+                value = estimate.for_device(self.device_spec).allocated_peak_bytes
+            except Exception:  # the allocator model is a refinement: fall back to the tensor peak
+                value = estimate.peak_bytes
+        self._comparable_estimate = value
+        return value
 
     def _peak_memory(self, gauges: Mapping[str, tuple[float, float]]) -> float | None:
         """The interval's peak: the CUDA allocator's (then reset), else the process's RSS high-water mark
@@ -152,10 +174,30 @@ class MonitorOutputs:
             self._guard("OOM record", write_oom, directory, event)
         return event
 
+    def _project_remaining(self, step_s: float | None) -> None:
+        """ETA and cost of the remaining steps at the measured step time and the device's catalog
+        price (issue #13), kept for the report and logged to TensorBoard as text."""
+        total = self.total_steps
+        if not total or not step_s or not math.isfinite(step_s):
+            return
+        spec = self.device_spec
+        left = remaining_run(
+            spec, step_s=step_s, steps_done=self._step, total_steps=total, gpus=self.world_size
+        )
+        self._remaining = left
+        if self._tb is not None:
+            tb = self._tb
+            self._guard(
+                "TensorBoard", lambda: tb.text("projection", remaining_markdown(left), self._step), off="_tb"
+            )
+
     def _write_outputs(self, report: Report) -> None:
         """Rank zero, at close: the report and the memory picture to TensorBoard and to ``report.md``,
         ``report.json`` and ``memory.png`` in the monitor's files directory."""
         markdown = report.to_markdown()
+        remaining = self._remaining
+        if remaining is not None:
+            markdown += "\n\n" + remaining_markdown(remaining)
         picture = None
         if self.estimate is not None and self.estimate.timeline:
             title = f"pre-flight memory of one step ({self.estimate.precision}) vs {self.device}"
@@ -176,7 +218,8 @@ class MonitorOutputs:
 
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "report.md").write_text(markdown, encoding="utf-8")
-            data = json.dumps(report.to_dict(), indent=2, default=str)
+            extra = {"projection": remaining} if remaining is not None else {}
+            data = json.dumps({**report.to_dict(), **extra}, indent=2, default=str)
             (directory / "report.json").write_text(data, encoding="utf-8")
             if picture is not None:
                 (directory / "memory.png").write_bytes(png_bytes(picture))
@@ -186,11 +229,12 @@ class MonitorOutputs:
 
 def console_summary(report: Report) -> None:
     """The one-line summary and the findings: to the ``resource_guard`` logger at INFO when it is enabled
-    for INFO, else to stderr."""
-    line = report.summary_line()
-    extra = [f"  {f.id} ({f.severity}): {f.title}" for f in report.findings if f.id != "healthy"]
-    text = "\n".join([line, *extra])
+    for INFO (plain text), else to stderr, rendered for the terminal (colour only on a TTY)."""
     if _log.isEnabledFor(logging.INFO):
-        _log.info(text)
+        line = report.summary_line()
+        extra = [f"  {f.severity} {f.id}: {f.title}" for f in report.findings if f.id != "healthy"]
+        _log.info("\n".join([line, *extra]))
     else:
-        print(text, file=sys.stderr)
+        from resource_guard.report.terminal import render_summary
+
+        render_summary(report)

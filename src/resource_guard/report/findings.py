@@ -134,11 +134,12 @@ def _find_report(logdir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def report_command(logdir: str, *, as_json: bool = False) -> int:
+def report_command(logdir: str, *, as_json: bool = False, as_markdown: bool = False) -> int:
     """``resource-guard report LOGDIR``: print the report of a finished run; returns the exit code.
 
     Reads ``LOGDIR/report.json`` (or the newest ``report.json`` below it, e.g. a Lightning version
-    directory). Exit 0 when printed, 2 when there is no readable report.
+    directory) and prints it for the terminal (:mod:`resource_guard.report.terminal`), or as JSON, or
+    as the Markdown of ``report.md``. Exit 0 when printed, 2 when there is no readable report.
     """
     path = _find_report(Path(logdir))
     if path is None:
@@ -156,5 +157,10 @@ def report_command(logdir: str, *, as_json: bool = False) -> int:
             file=sys.stderr,
         )
         return 2
-    print(json.dumps(data, indent=2) if as_json else report.to_markdown())
+    if as_json or as_markdown:
+        print(json.dumps(data, indent=2) if as_json else report.to_markdown())
+    else:
+        from resource_guard.report.terminal import render_report
+
+        render_report(report)
     return 0

@@ -1,5 +1,12 @@
-"""Markdown rendering of a :class:`~resource_guard.Report` (``report.md``, the TensorBoard
-text and ``resource-guard report``), and the value formatting the rules' advice shares.
+"""Markdown rendering of a :class:`~resource_guard.Report` (``report.md`` and the TensorBoard text),
+the summary rows every rendering shares (:func:`summary_rows`; the console's is
+:mod:`resource_guard.report.terminal`), and the value formatting the rules' advice shares.
+
+Memory is compared like with like: on CUDA the allocator's measured peak
+(``torch.cuda.max_memory_allocated``) sits beside the estimate of that same quantity, with the
+difference; on the CPU the measured figure is the process's RSS (interpreter, libraries and
+allocator caches included), labelled so, and the pre-flight tensor estimate is shown apart, marked as
+not comparable with it.
 """
 
 from __future__ import annotations
@@ -9,7 +16,7 @@ from typing import Any, Protocol
 from resource_guard.devices import format_bytes
 from resource_guard.report.types import Finding, RunStats
 
-__all__ = ["format_value", "render_markdown"]
+__all__ = ["format_value", "memory_note", "render_markdown", "summary_rows"]
 
 
 class Rendered(Protocol):
@@ -32,6 +39,57 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def _memory_rows(s: RunStats) -> list[tuple[str, Any]]:
+    """Measured and estimated memory, each labelled with what it counts; like beside like only."""
+    if s.peak_memory_source == "cuda_allocated":
+        rows: list[tuple[str, Any]] = [
+            ("peak allocated (max_memory_allocated)", format_bytes(s.peak_memory_bytes)),
+            ("estimated allocated peak", format_bytes(s.estimated_peak_bytes)),
+        ]
+        if s.peak_memory_bytes and s.estimated_peak_bytes:
+            error = s.peak_memory_bytes / s.estimated_peak_bytes - 1
+            rows.append(("measured vs estimate", f"{error:+.1%}"))
+        return [*rows, ("capacity", format_bytes(s.capacity_bytes))]
+    if s.peak_memory_source == "rss":
+        return [
+            ("process RSS peak (whole process)", format_bytes(s.peak_memory_bytes)),
+            ("host RAM", format_bytes(s.capacity_bytes)),
+            ("pre-flight tensor estimate (not comparable with RSS)", format_bytes(s.estimated_peak_bytes)),
+        ]
+    return [
+        ("peak memory", format_bytes(s.peak_memory_bytes)),
+        ("estimated peak", format_bytes(s.estimated_peak_bytes)),
+        ("capacity", format_bytes(s.capacity_bytes)),
+    ]
+
+
+def summary_rows(s: RunStats) -> list[tuple[str, str]]:
+    """The report's summary table as ``(metric, value)`` strings, the same for every rendering."""
+    rows: list[tuple[str, Any]] = [
+        ("step time", None if s.step_time_s is None else f"{s.step_time_s * 1e3:.2f} ms"),
+        ("data wait share", None if s.data_wait_share is None else f"{s.data_wait_share:.1%}"),
+        ("samples/s", s.samples_per_s),
+        ("tokens/s", s.tokens_per_s),
+        ("MFU", None if s.mfu is None else f"{s.mfu:.1%}"),
+        *_memory_rows(s),
+        ("GPU utilization", None if s.gpu_util_percent is None else f"{s.gpu_util_percent:.0f}%"),
+        ("process CPU", None if s.process_cpu_percent is None else f"{s.process_cpu_percent:.0f}%"),
+        ("precision", s.precision),
+    ]
+    return [(name, format_value(value)) for name, value in rows]
+
+
+def memory_note(s: RunStats) -> str | None:
+    """Why the CPU report does not compare its memory figures (None when they are comparable)."""
+    if s.peak_memory_source != "rss":
+        return None
+    return (
+        "on the CPU the measured memory is the process's RSS (the interpreter, torch's libraries and "
+        "allocator caches as well as tensors); the pre-flight estimate counts live tensors only, so the "
+        "two are not compared (the estimate-drift check needs the CUDA allocator's peak)."
+    )
+
+
 def render_markdown(report: Rendered) -> str:
     """The report as markdown: the measured summary table, the findings, the profiler window, notes."""
     s = report.stats
@@ -41,21 +99,8 @@ def render_markdown(report: Rendered) -> str:
         f"**Verdict: {report.verdict}** ({s.steps} steps on {s.device})",
         "",
     ]
-    rows = [
-        ("step time", None if s.step_time_s is None else f"{s.step_time_s * 1e3:.2f} ms"),
-        ("data wait share", None if s.data_wait_share is None else f"{s.data_wait_share:.1%}"),
-        ("samples/s", s.samples_per_s),
-        ("tokens/s", s.tokens_per_s),
-        ("MFU", None if s.mfu is None else f"{s.mfu:.1%}"),
-        (f"peak memory ({s.peak_memory_source or '-'})", format_bytes(s.peak_memory_bytes)),
-        ("estimated peak", format_bytes(s.estimated_peak_bytes)),
-        ("capacity", format_bytes(s.capacity_bytes)),
-        ("GPU utilization", None if s.gpu_util_percent is None else f"{s.gpu_util_percent:.0f}%"),
-        ("process CPU", None if s.process_cpu_percent is None else f"{s.process_cpu_percent:.0f}%"),
-        ("precision", s.precision),
-    ]
     lines += ["| metric | value |", "|---|---|"]
-    lines += [f"| {name} | {format_value(value)} |" for name, value in rows]
+    lines += [f"| {name} | {value} |" for name, value in summary_rows(s)]
     lines += ["", "## Findings", ""]
     for f in report.findings:
         lines += [f"### {f.id} ({f.severity})", "", f.title, ""]
@@ -70,5 +115,6 @@ def render_markdown(report: Rendered) -> str:
             lines += ["| op | calls/step | self CPU us/step |", "|---|---|---|"]
             lines += [f"| {name} | {calls} | {us:.1f} |" for name, calls, us in p.top_ops]
             lines.append("")
-    lines += [f"Note: {n}" for n in s.notes]
+    note = memory_note(s)
+    lines += [f"Note: {n}" for n in (*s.notes, *([note] if note else []))]
     return "\n".join(lines).rstrip() + "\n"

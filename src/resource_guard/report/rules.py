@@ -15,8 +15,9 @@ raised a warning). The thresholds are module constants:
 - host-to-device: host-to-device copies >= ``H2D_SHARE`` (10%) of the profiled step's wall time.
 - alignment: on a GPU, profiled matmuls with a matrix dimension not a multiple of 8 (reported as
   info) when they take at least ``MISALIGNED_MATMUL_SHARE`` (10%) of the matmul time.
-- estimate-drift: measured allocator peak > pre-flight estimate by more than
-  ``ESTIMATE_DRIFT_FRACTION`` (5%).
+- estimate-drift: the CUDA allocator's measured peak (``max_memory_allocated``) > the pre-flight
+  estimate of that same quantity (the allocator model's allocated peak) by more than
+  ``ESTIMATE_DRIFT_FRACTION`` (5%). Never on the CPU, whose measured figure is the process's RSS.
 
 The rules are re-exported from :mod:`resource_guard.report.findings`.
 """

@@ -5,8 +5,12 @@ report as text and the pre-flight memory picture as an image.
 Lightning's ``TensorBoardLogger.experiment``, which it never closes). A writer error switches TensorBoard
 output off with one message (the caller warns) and never reaches the training loop.
 
-:func:`memory_picture` draws the estimate's timeline (bytes by category over one step, stacked) against
-the device capacity with Pillow, which TensorBoard itself depends on (no matplotlib needed).
+:func:`memory_figure` draws the estimate's timeline (bytes by category over one step, stacked, phases
+along the x axis, bytes in MiB or GiB on the y axis) against the labelled device capacity as a
+matplotlib ``Figure`` (what ``SummaryWriter.add_figure`` takes); :func:`memory_picture` renders it to
+the HWC image that :meth:`TBLog.image` and ``memory.png`` use. matplotlib is imported only when a
+picture is drawn, and only through ``matplotlib.figure.Figure`` and the Agg canvas: no pyplot, no
+backend switch, no change to the caller's matplotlib state.
 
 Example:
     >>> layout = custom_scalar_layout()
@@ -16,16 +20,27 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from resource_guard.devices import format_bytes
 from resource_guard.estimate import CATEGORIES
 
-__all__ = ["TAG_PREFIX", "TBLog", "custom_scalar_layout", "memory_picture", "png_bytes"]
+__all__ = [
+    "TAG_PREFIX",
+    "TBLog",
+    "custom_scalar_layout",
+    "figure_image",
+    "memory_figure",
+    "memory_picture",
+    "png_bytes",
+]
 
 TAG_PREFIX = "resource_guard/"
 _CHARTS = {
@@ -37,16 +52,11 @@ _CHARTS = {
     "memory vs estimate": ["memory/estimate_error"],
     "GPU power and clock": ["gpu/power_w", "gpu/temperature_c", "gpu/sm_clock_mhz"],
 }
-_COLORS = [
-    (31, 119, 180),
-    (255, 127, 14),
-    (44, 160, 44),
-    (214, 39, 40),
-    (148, 103, 189),
-    (140, 86, 75),
-    (127, 127, 127),
-    (23, 190, 207),
-]
+_CAPACITY_COLOR = "#dc0000"
+# tab10 without its red, which is the capacity's: parameters, gradients, optimizer state, activations, …
+_CATEGORY_COLORS = ("C0", "C1", "C2", "C4", "C8", "C5", "C7", "C9", "C6", "C3")
+_MIN_LABELLED_SPAN = 0.06  # a phase shorter than this share of the step gets its line, not its name
+_OFF_SCALE = 4.0  # a capacity more than this many times the peak (a CPU's RAM) is written, not drawn
 
 
 def custom_scalar_layout() -> dict[str, dict[str, list[Any]]]:
@@ -161,11 +171,117 @@ def _force_close(writer: Any) -> None:
                 handle.close()
 
 
-def _gib(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size / 4:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+def _unit(peak: float) -> tuple[str, float]:
+    """The y axis unit for a peak of ``peak`` bytes: GiB from 1 GiB, else MiB (KiB for tiny steps)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if peak >= size:
+            return unit, float(size)
+    return ("KiB", 1024.0) if peak >= 1024 else ("B", 1.0)
+
+
+@contextlib.contextmanager
+def _quiet_matplotlib() -> Iterator[None]:
+    """matplotlib logs a warning the first time it builds its font cache: not for the user's console."""
+    logger = logging.getLogger("matplotlib")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def memory_figure(
+    timeline: Sequence[tuple[str, Sequence[int]]],
+    capacity_bytes: int | None,
+    *,
+    title: str = "pre-flight memory over one training step",
+    width: int = 960,
+    height: int = 480,
+    categories: Sequence[str] = CATEGORIES,
+) -> Any:
+    """The estimate's memory over one step as a matplotlib ``Figure`` of ``width`` × ``height`` pixels.
+
+    Bytes by category stacked over the step's events, the phases (forward, backward, optimizer, …)
+    named along the x axis, MiB or GiB on the y axis, the peak marked, the capacity as a labelled red
+    line — or, when it is more than 4× the peak (a CPU's RAM), written in the legend as off scale.
+    At least 400 × 240 pixels. ``SummaryWriter.add_figure(tag, figure)`` takes it as it is.
+    """
+    with _quiet_matplotlib():
+        from matplotlib.figure import Figure
+
+        width, height = max(width, 400), max(height, 240)
+        dpi = 100
+        fig = Figure(figsize=(width / dpi, height / dpi), dpi=dpi, layout="constrained")
+        ax = fig.add_subplot()
+        values = (
+            np.array([list(v) for _, v in timeline], dtype=np.float64).reshape(len(timeline), -1)
+            if timeline
+            else np.zeros((0, len(categories)))
+        )
+        totals = values.sum(axis=1) if len(values) else np.zeros(0)
+        peak = float(totals.max()) if len(totals) else 0.0
+        capacity = float(capacity_bytes or 0)
+        show_capacity = 0 < capacity <= _OFF_SCALE * max(peak, 1.0)
+        unit, size = _unit(max(peak, capacity if show_capacity else 0.0))
+        x = np.arange(len(values))
+        if len(values):
+            names = list(categories)[: values.shape[1]]
+            names += [f"category {i}" for i in range(len(names), values.shape[1])]
+            ax.stackplot(
+                x,
+                values.T / size,
+                labels=names,
+                colors=[_CATEGORY_COLORS[i % len(_CATEGORY_COLORS)] for i in range(len(names))],
+                lw=0,
+            )
+            top = int(np.argmax(totals))
+            ax.axhline(peak / size, color="black", lw=0.8, ls=":", label=f"peak {format_bytes(peak)}")
+            ax.plot([top], [peak / size], marker="v", color="black", ms=5)
+            _phase_axis(ax, [name for name, _ in timeline])
+        else:
+            ax.set_xticks([])
+        if show_capacity:
+            ax.axhline(
+                capacity / size, color=_CAPACITY_COLOR, lw=2, label=f"capacity {format_bytes(capacity)}"
+            )
+        elif capacity_bytes:
+            ax.plot([], [], " ", label=f"capacity {format_bytes(capacity)} (off scale)")
+        ax.set_ylim(0, max(peak, capacity if show_capacity else 0.0, 1.0) / size * 1.08)
+        ax.set_xlim(0, max(len(values) - 1, 1))
+        ax.set_ylabel(f"live tensor memory ({unit})")
+        ax.set_xlabel("phase of the training step")
+        ax.set_title(title, fontsize="medium")
+        ax.grid(axis="y", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+    return fig
+
+
+def _phase_axis(ax: Any, phases: Sequence[str]) -> None:
+    """Phase names centred under their spans, a faint line at each change."""
+    spans: list[tuple[str, int, int]] = []
+    for i, name in enumerate(phases):
+        if spans and spans[-1][0] == name:
+            spans[-1] = (name, spans[-1][1], i)
+        else:
+            spans.append((name, i, i))
+    for _, start, _ in spans[1:]:
+        ax.axvline(start, color="0.4", lw=0.6)
+    shown = [(n, a, b) for n, a, b in spans if (b - a + 1) >= _MIN_LABELLED_SPAN * len(phases)]
+    ax.set_xticks([(a + b) / 2 for _, a, b in shown], [name for name, _, _ in shown], fontsize="small")
+    ax.tick_params(axis="x", length=0)
+
+
+def figure_image(figure: Any) -> np.ndarray:
+    """Render a matplotlib ``Figure`` on the Agg canvas: an RGB HWC uint8 array (the figure's pixel size)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    with _quiet_matplotlib():
+        canvas = FigureCanvasAgg(figure)
+        canvas.draw()
+        rgba = np.asarray(canvas.buffer_rgba())
+    return np.ascontiguousarray(rgba[..., :3])
 
 
 def memory_picture(
@@ -173,69 +289,15 @@ def memory_picture(
     capacity_bytes: int | None,
     *,
     title: str = "pre-flight memory over one training step",
-    width: int = 800,
-    height: int = 420,
+    width: int = 960,
+    height: int = 480,
     categories: Sequence[str] = CATEGORIES,
 ) -> np.ndarray:
-    """Stacked bytes by category over the step, phases marked, capacity as a red line; HWC uint8.
-
-    When the capacity is more than ~4x the peak (a CPU's RAM), the y axis follows the peak and the
-    capacity is written in the legend instead of drawn. At least 400 x 160 pixels.
-    """
-    from PIL import Image, ImageDraw
-
-    width, height = max(width, 400), max(height, 160)  # room for the axis labels and the legend
-    img = Image.new("RGB", (width, height), (255, 255, 255))
-    draw = ImageDraw.Draw(img)
-    left, right, top, bottom = 70, width - 190, 30, height - 40
-    values = (
-        np.array([list(v) for _, v in timeline], dtype=np.float64).reshape(len(timeline), -1)
-        if timeline
-        else np.zeros((0, len(categories)))
+    """:func:`memory_figure` rendered to an RGB HWC uint8 image (for TensorBoard and ``memory.png``)."""
+    figure = memory_figure(
+        timeline, capacity_bytes, title=title, width=width, height=height, categories=categories
     )
-    peak = float(values.sum(axis=1).max()) if len(values) else 0.0
-    capacity = float(capacity_bytes or 0)
-    show_capacity = 0 < capacity <= 4 * max(peak, 1.0)
-    y_max = max(peak, capacity if show_capacity else 0.0, 1.0) * 1.08
-    draw.text((left, 8), title, fill=(0, 0, 0))
-    draw.rectangle((left, top, right, bottom), outline=(0, 0, 0))
-
-    def y_of(v: float) -> float:
-        return bottom - (bottom - top) * v / y_max
-
-    n = len(values)
-    if n:
-        for x in range(left + 1, right):
-            row = values[min(n - 1, int((x - left) / (right - left) * n))]
-            base = 0.0
-            for c, v in enumerate(row):
-                if v > 0:
-                    draw.line((x, y_of(base), x, y_of(base + v)), fill=_COLORS[c % len(_COLORS)])
-                base += v
-        phase, changes = None, 0
-        for i, (name, _) in enumerate(timeline):
-            if name != phase:
-                px = left + (right - left) * i / n
-                draw.line((px, top, px, bottom), fill=(90, 90, 90))
-                draw.text((px + 2, bottom + 4 + 12 * (changes % 2)), name, fill=(60, 60, 60))
-                phase, changes = name, changes + 1
-    for frac in (0.0, 0.5, 1.0):
-        v = y_max * frac / 1.08
-        draw.text((4, y_of(v) - 6), _gib(v), fill=(0, 0, 0))
-    if show_capacity and capacity_bytes:
-        y = y_of(capacity_bytes)
-        draw.line((left, y, right, y), fill=(220, 0, 0), width=2)
-        draw.text((left + 4, y - 14), f"capacity {_gib(capacity_bytes)}", fill=(220, 0, 0))
-    ly = top
-    for c, name in enumerate(categories):
-        draw.rectangle((right + 12, ly, right + 24, ly + 10), fill=_COLORS[c % len(_COLORS)])
-        draw.text((right + 30, ly - 1), name, fill=(0, 0, 0))
-        ly += 16
-    draw.text((right + 12, ly + 8), f"peak {_gib(peak)}", fill=(0, 0, 0))
-    if capacity_bytes and not show_capacity:
-        draw.text((right + 12, ly + 24), f"capacity {_gib(capacity_bytes)}", fill=(220, 0, 0))
-        draw.text((right + 12, ly + 38), "(off scale)", fill=(220, 0, 0))
-    return np.asarray(img, dtype=np.uint8)
+    return figure_image(figure)
 
 
 def png_bytes(image_hwc: np.ndarray) -> bytes:

@@ -2,6 +2,12 @@
 
 A step is: forward (under autocast for ``*-mixed``), loss, backward (scaled for ``16-mixed``),
 optimizer step (with unscale), ``zero_grad(set_to_none=True)``.
+
+The loss of a step is the caller's ``loss_fn`` or, by default, the model's own output (a scalar, or
+``output.loss``). :class:`StandInLoss` is what the front doors (``guard``) plan from when the training
+loop computes the loss itself and no ``loss_fn`` was given: a cross-entropy-shaped reduction of the
+outputs (see its docstring). ``estimate_memory`` and ``plan`` keep the strict default: they never
+guess a loss unless handed the stand-in explicitly.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from resource_guard.step.precision import PrecisionSpec, autocast_context
 __all__ = [
     "LossFn",
     "OptimizerArg",
+    "StandInLoss",
     "default_loss_fn",
     "call_loss_fn",
     "map_tensors",
@@ -91,7 +98,8 @@ def _as_loss(output: Any) -> torch.Tensor:
             return output.reshape(())
         raise ConfigurationError(
             f"the model returned a tensor of shape {tuple(output.shape)}, not a scalar loss; pass "
-            "`loss_fn=lambda model, batch: ...` that returns the scalar loss."
+            "`loss_fn=lambda model, batch: ...` that returns the scalar loss (or "
+            "`loss_fn=resource_guard.step.training.StandInLoss()` to plan from a cross-entropy stand-in)."
         )
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
@@ -107,6 +115,107 @@ def _as_loss(output: Any) -> torch.Tensor:
         f"cannot find a scalar loss in the model's output ({type(output).__name__}): it is neither a "
         "scalar tensor nor has `.loss` / `['loss']`; pass `loss_fn=lambda model, batch: ...` that returns it."
     )
+
+
+def _standin_of(tensor: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against class 0 over the last dim, in float32: what ``F.cross_entropy`` keeps."""
+    x = tensor.float()
+    if x.dim() == 0 or x.numel() == 0:
+        return x.sum()
+    log_probs = torch.log_softmax(x, dim=-1)  # kept for backward: a float32 copy of the output
+    flat = log_probs.reshape(-1, log_probs.shape[-1])
+    target = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    return nn.functional.nll_loss(flat, target)
+
+
+class StandInLoss:
+    """The loss to plan from when the training loop computes its own loss from the model's outputs.
+
+    Calls the model as a training loop would: a Mapping batch → ``model(**batch)`` (only the keys
+    ``forward`` accepts), a tuple/list → ``model(*batch)`` without the trailing items ``forward``
+    does not require (the targets of ``(inputs, targets)``), else ``model(batch)``. When the output
+    carries a loss (a scalar, or ``.loss`` / ``["loss"]``) that loss is used as is, exactly.
+    Otherwise the outputs stand in for the loss: each floating-point output tensor that requires
+    grad (only ``logits`` when a mapping or ``ModelOutput`` has them) goes through a float32
+    ``log_softmax`` over its last dimension and ``nll_loss`` against class 0 — the kernels, saved
+    tensors and gradients of a cross-entropy over logits, the commonest loss. A loss that keeps more
+    (label smoothing, a float32 copy of shifted logits) is under-counted by that difference; pass
+    ``loss_fn=`` for an exact estimate.
+
+    ``used`` becomes True once the outputs had to stand in; :attr:`REASON` says so in a plan.
+
+    Example:
+        >>> model = torch.nn.Linear(8, 5)
+        >>> loss_fn = StandInLoss()
+        >>> loss = loss_fn(model, torch.randn(4, 8))
+        >>> loss.shape, loss.dtype, loss_fn.used
+        (torch.Size([]), torch.float32, True)
+    """
+
+    REASON = (
+        "loss: stand-in (float32 log-softmax + NLL over the model's outputs, what a cross-entropy keeps), "
+        "as no `loss_fn` was given and the model returns no loss; pass loss_fn= for an exact estimate"
+    )
+
+    def __init__(self) -> None:
+        self.used = False
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        output = _call_as_the_loop_does(model, batch)
+        own = _own_loss(output)
+        if own is not None:
+            return own
+        tensors = _standin_tensors(output)
+        if not tensors:
+            return _as_loss(output)  # nothing to stand in for: the default's clear error
+        self.used = True
+        total = _standin_of(tensors[0])
+        for tensor in tensors[1:]:
+            total = total + _standin_of(tensor)
+        return total
+
+    def __repr__(self) -> str:
+        return "StandInLoss()"
+
+
+def _call_as_the_loop_does(model: nn.Module, batch: Any) -> Any:
+    """``model(...)`` on the batch, leaving out what ``forward`` does not take (see :class:`StandInLoss`)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: call it the default way
+        return default_loss_fn(model, batch)
+    kinds = {p.kind for p in params}
+    if isinstance(batch, Mapping):
+        if inspect.Parameter.VAR_KEYWORD in kinds:
+            return model(**batch)
+        names = {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+        return model(**{k: v for k, v in batch.items() if k in names})
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        if inspect.Parameter.VAR_POSITIONAL in kinds:
+            return model(*batch)
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        required = sum(1 for p in params if p.kind in positional and p.default is p.empty)
+        return model(*batch[: max(required, 1)])
+    return model(batch)
+
+
+def _own_loss(output: Any) -> torch.Tensor | None:
+    """The loss the model's output carries (scalar output, ``.loss``, ``["loss"]``), else None."""
+    if isinstance(output, torch.Tensor):
+        return output.reshape(()) if output.numel() == 1 else None
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    return loss.reshape(()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+def _standin_tensors(output: Any) -> list[torch.Tensor]:
+    """The outputs a stand-in loss reduces: the tensor, a container's ``logits``, else its float tensors."""
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    found = [logits] if isinstance(logits, torch.Tensor) else iter_tensors(output)
+    return [t for t in found if t.is_floating_point() and t.requires_grad]
 
 
 def call_loss_fn(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
