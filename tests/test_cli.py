@@ -239,6 +239,28 @@ def test_exit_1_for_the_demo_on_a_small_catalog_device(
     assert (code, err) == (1, "") and "DOES NOT FIT" in out
 
 
+def test_fits_tight_exits_0_with_a_warning_line_and_1_under_strict(
+    factories: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["preflight", f"{factories}:build"]
+    _, payload = _json([*argv, "--device", "a100-40gb"], capsys)
+    total = payload["fit"]["device_total_bytes"]
+    catalog = tmp_path / "tight.yaml"  # the device total is 95% of this device: inside the 10% headroom
+    kib = int(total / 0.95 // 1024)
+    catalog.write_text(
+        "devices:\n  - {name: snug-gpu, kind: cuda, "
+        f"memory: {kib}KiB, bf16: true, compute_capability: '8.0'}}\n"
+    )
+    tight = [*argv, "--catalog", str(catalog), "--device", "snug-gpu"]
+    code, out, err = _run(tight, capsys)
+    assert code == 0 and "  FITS TIGHT: " in out and "DOES NOT FIT" not in out
+    assert err.startswith("warning: fits tight, within the 10% headroom: ") and err.count("\n") == 1
+    code, _, err = _run([*tight, "--strict"], capsys)
+    assert code == 1 and err.startswith("warning: fits tight")
+    code, payload = _json([*tight, "--headroom", "0"], capsys)  # no headroom: simply fits
+    assert code == 0 and payload["fit"]["verdict"] == "fits"
+
+
 # --- preflight: bad input ----------------------------------------------------------------------
 
 _BAD_INPUTS = {

@@ -1,6 +1,7 @@
 """``resource-guard``: pre-flight a training step from the command line, list devices, print run reports.
 
-Exit codes: 0 fits, 1 does not fit, 2 bad input (a one-paragraph message, never a traceback).
+Exit codes: 0 fits (also "fits tight", inside the headroom, with a warning line; `--strict` makes that 1),
+1 does not fit, 2 bad input (a one-paragraph message, never a traceback).
 """
 
 from __future__ import annotations
@@ -148,6 +149,10 @@ def _preflight(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2))
     else:
         _print_report(args.target, estimate, fit, others, args.headroom)
+    if fit.verdict == "fits tight":  # exit 0 unless --strict; the warning line goes to stderr
+        risks = "; ".join(fit.tight_risks[1:])
+        print(f"warning: fits tight, within the {args.headroom:.0%} headroom: {risks}", file=sys.stderr)
+        return 1 if args.strict else 0
     return 0 if fit.fits else 1
 
 
@@ -378,6 +383,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     pre.add_argument("--catalog", default=None, help="a YAML device catalog merged over the bundled one")
     pre.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    pre.add_argument(
+        "--strict", action="store_true", help="exit 1 also when it only fits tight (inside the headroom)"
+    )
     _add_projection_args(pre)
     dev = sub.add_parser("devices", help="list the device catalog and the devices detected here")
     dev.add_argument("--catalog", default=None, help="a YAML device catalog merged over the bundled one")

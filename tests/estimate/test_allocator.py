@@ -10,7 +10,14 @@ from torch import nn
 
 from resource_guard import estimate_memory, load_catalog
 from resource_guard.errors import ConfigurationError
-from resource_guard.estimate.allocator import CUDA_CONTEXT_BYTES, device_fit, simulate_caching_allocator
+from resource_guard.estimate.allocator import (
+    CUDA_CONTEXT_BYTES,
+    _churn,
+    device_fit,
+    rank_device_fit,
+    rank_overhead,
+    simulate_caching_allocator,
+)
 
 MiB = 2**20
 
@@ -135,3 +142,36 @@ def test_a_cpu_fit_has_no_allocator_overheads(small_estimate) -> None:
 def test_headroom_outside_the_range_is_refused(small_estimate, headroom: float) -> None:
     with pytest.raises(ConfigurationError, match=r"headroom.*\[0, 0.9\)"):
         small_estimate.for_device("t4", headroom=headroom)
+
+
+def test_the_verdict_has_three_states_and_only_tight_names_its_risks(small_estimate) -> None:
+    t4 = load_catalog().get("t4")
+    total = device_fit(small_estimate, t4).device_total_bytes
+    roomy = device_fit(small_estimate, t4.with_memory(int(total / 0.8)))
+    snug = device_fit(small_estimate, t4.with_memory(int(total / 0.95)))
+    short = device_fit(small_estimate, t4.with_memory(total - 1))
+    assert [f.verdict for f in (roomy, snug, short)] == ["fits", "fits tight", "does not fit"]
+    assert roomy.fits and not snug.fits and not short.fits  # `fits` keeps meaning: within the headroom
+    assert snug.tight_risks and not roomy.tight_risks and not short.tight_risks
+    assert any("fragmentation" in r for r in snug.tight_risks) and snug.to_dict()["verdict"] == "fits tight"
+
+
+def test_the_churn_leaves_out_what_lives_to_the_end_of_the_step() -> None:
+    # uid 1: an activation freed in the backward; uid 2: a gradient freed by zero_grad at the end;
+    # uid 3: a temporary after the last gradient's birth (the optimizer's); uid 9: persistent, freed
+    events = [(1, 100), (2, 50), (1, -100), (3, 70), (3, -70), (9, -30), (2, -50)]
+    assert _churn(events) == [(1, 100), (1, -100)]
+
+
+def test_a_rank_fit_is_its_own_bytes_plus_the_churn_overhead(small_estimate) -> None:
+    h100 = load_catalog().get("h100-sxm")
+    rounding, fragmentation = rank_overhead(small_estimate)
+    fit = rank_device_fit(small_estimate, h100, 10 * MiB, headroom=0.1)
+    assert fit.allocated_peak_bytes == 10 * MiB + rounding + fit.workspace_bytes
+    assert fit.device_total_bytes == fit.allocated_peak_bytes + fragmentation + CUDA_CONTEXT_BYTES
+    assert (
+        rank_device_fit(small_estimate, h100, 20 * MiB).device_total_bytes
+        == fit.device_total_bytes + 10 * MiB
+    )
+    cpu = rank_device_fit(small_estimate, load_catalog().get("cpu"), 10 * MiB)
+    assert cpu.device_total_bytes == 10 * MiB

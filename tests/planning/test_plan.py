@@ -281,6 +281,28 @@ def test_checkpointing_is_required_when_nothing_fits_without_it():
     assert all("forward" not in b.__dict__ for b in model.blocks)  # the caller's model is left as it was
 
 
+def test_the_least_checkpointing_that_fits_is_chosen():
+    model = Deep()  # at micro-batch 4: 22 MiB checkpointing every block, 46 every 2nd block, 78 none
+    p = plan(model, torch.optim.SGD, torch.randn(1, 1024, 64), _loss, device="cpu", precision="32-true",
+             target_batch_size=4, memory_limit="52MiB")  # fmt: skip
+    assert (p.micro_batch_size, p.checkpoint_every, p.checkpointing) == (4, 2, True)
+    assert p.checkpointed_modules == ("blocks.0", "blocks.2", "blocks.4", "blocks.6")
+    assert any(r.startswith("selective checkpointing: every 2nd block") for r in p.reasons)
+    assert "checkpointing every 2 blocks" in p.summary() and any(a.chosen for a in p.alternatives)
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+    tight = plan(model, torch.optim.SGD, torch.randn(1, 1024, 64), _loss, device="cpu", precision="32-true",
+                 target_batch_size=4, memory_limit="40MiB")  # fmt: skip
+    assert tight.checkpoint_every == 1 and tight.micro_batch_size == 4
+
+
+def test_apply_checkpointing_every_kth_block_and_refuses_bad_k():
+    model = Deep()
+    with apply_checkpointing(model, every=3) as handle:
+        assert handle.modules == ("blocks.0", "blocks.3", "blocks.6")
+    with pytest.raises(ConfigurationError, match="every=0"):
+        apply_checkpointing(model, every=0)
+
+
 # -- strategies ------------------------------------------------------------------------------------
 def test_ddp_when_the_replica_fits_and_fsdp_when_it_does_not():
     model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(16)))  # 16.8 MB of parameters
@@ -386,3 +408,42 @@ def test_divisors_are_all_and_only_the_divisors(n):
     assert len(divs) == len(set(divs))
     if n <= 2000:
         assert divs == [d for d in range(1, n + 1) if n % d == 0]
+
+
+# -- at scale: FSDP's precision policy, sharding variants, the verdict -----------------------------------
+def test_fsdp_plans_name_their_precision_policy_and_autocast_is_advised_against():
+    model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(16)))
+    batch = torch.randn(8, 512)
+    kwargs = {"device": "a100-40gb", "world_size": 4, "target_batch_size": 32, "strategy": "fsdp"}
+    bf16 = plan(model, torch.optim.AdamW, batch, _loss, **kwargs)
+    assert bf16.fsdp_precision is not None and bf16.fsdp_precision.policy == "params"
+    assert any("gathered params bf16" in r for r in bf16.reasons)
+    assert bf16.to_dict()["fsdp_precision"] == "bf16-mixed / params" and bf16.verdict == "fits"
+    auto = plan(model, torch.optim.AdamW, batch, _loss, fsdp_mixed_precision="autocast", **kwargs)
+    assert any("saves it" in r and "fsdp_mixed_precision='params'" in r for r in auto.reasons)
+    assert auto.rank_memory is not None and bf16.rank_memory is not None
+    assert auto.rank_memory.per_rank_bytes > bf16.rank_memory.per_rank_bytes
+    for strategy in ("fsdp_grad_op", "hsdp"):
+        other = plan(model, torch.optim.AdamW, batch, _loss, **{**kwargs, "strategy": strategy})
+        assert (
+            other.strategy == strategy and other.rank_memory.per_rank_bytes >= bf16.rank_memory.per_rank_bytes
+        )
+    with pytest.raises(ConfigurationError, match="fsdp_mixed_precision='pure'"):
+        plan(model, torch.optim.AdamW, batch, _loss, fsdp_mixed_precision="pure", **kwargs)
+    with pytest.raises(ConfigurationError, match="gpus_per_node=0"):
+        plan(model, torch.optim.AdamW, batch, _loss, gpus_per_node=0, **kwargs)
+
+
+def test_a_configuration_inside_the_headroom_is_planned_as_fits_tight():
+    model = _mlp()
+    batch = torch.randn(4, 64, 32)
+    roomy = plan(model, torch.optim.AdamW, batch, _loss, device="a100-40gb", target_batch_size=1)
+    total = roomy.fit.device_total_bytes
+    snug = plan(model, torch.optim.AdamW, batch, _loss, device="a100-40gb", target_batch_size=1,
+                memory_limit=int(total / 0.95))  # fmt: skip
+    assert snug.verdict == "fits tight" and snug.micro_batch_size == 1
+    assert any(r.startswith("fits tight: ") and "fragmentation" in r for r in snug.reasons)
+    assert "**fits tight**" in snug.summary() and snug.to_dict()["verdict"] == "fits tight"
+    with pytest.raises(DoesNotFitError):
+        plan(model, torch.optim.AdamW, batch, _loss, device="a100-40gb", target_batch_size=1,
+             memory_limit=int(total * 0.99))  # fmt: skip

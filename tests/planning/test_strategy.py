@@ -8,6 +8,7 @@ from torch import nn
 
 from resource_guard import ConfigurationError, DeviceSpec
 from resource_guard.estimate import estimate_memory
+from resource_guard.estimate.allocator import rank_overhead
 from resource_guard.planning.strategy import gpus_needed, rank_fit, rank_memory, unit_param_bytes
 
 F32 = 4
@@ -86,14 +87,17 @@ def test_fsdp_shards_model_state_and_keeps_two_units_gathered(adamw_estimate):
     assert many.unit_bytes == units[0]
 
 
-def test_rank_fit_shifts_the_device_figures(adamw_estimate):
+def test_rank_fit_is_the_rank_bytes_plus_the_allocator_overhead_of_the_churn(adamw_estimate):
     model, est = adamw_estimate
     device = DeviceSpec("tiny", "cuda", memory_bytes=600 * 2**20, compute_capability="8.0")
     fit = est.for_device(device, headroom=0.1)
     ddp = rank_memory(est, "ddp", 2)
     shifted = rank_fit(fit, est, ddp)
-    assert shifted.device_total_bytes - fit.device_total_bytes == ddp.per_rank_bytes - est.peak_bytes
+    rounding, fragmentation = rank_overhead(est)
+    assert shifted.allocated_peak_bytes == ddp.per_rank_bytes + rounding + fit.workspace_bytes
+    assert shifted.device_total_bytes == shifted.allocated_peak_bytes + fragmentation + fit.context_bytes
     assert shifted.fits == (shifted.device_total_bytes <= fit.usable_bytes)
+    assert shifted.usable_bytes == fit.usable_bytes
     assert any("ddp over 2 ranks" in n for n in shifted.notes)
 
 

@@ -13,6 +13,13 @@ allocation events through a model of it. Constants and their sources:
   freed neighbours merge; a request takes the best-fitting free block of its pool.
 - CUDA context: 300–500 MB per process with lazy module loading (the default since CUDA 11.7 /
   PyTorch 1.13; PyTorch's CUDA semantics notes and NVIDIA's lazy-loading notes). We use 450 MiB.
+- Per rank (:func:`rank_overhead`, :func:`rank_device_fit`): a sharded rank's persistent state is a
+  few exact-size blocks allocated once, so the allocator's overhead is that of the step's own churn
+  (activations, temporaries, gradients as they come and go), replayed without the persistent
+  allocations; it never grows with the number of ranks.
+- Verdict (:attr:`DeviceFit.verdict`): ``"fits"`` within ``capacity × (1 − headroom)``; ``"fits tight"``
+  above that but within capacity (fragmentation beyond the model, other processes on the GPU, NCCL
+  buffers or a longer sample could push it over); ``"does not fit"`` above capacity.
 - cuBLAS workspace: PyTorch's default ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:2:16:8`` (8.125 MiB)
   before Hopper and ``:4096:8`` (32 MiB) on compute capability ≥ 9.0, plus a 1 MiB cuBLASLt workspace
   (``TORCH_CUBLASLT_WORKSPACE_SIZE``); they are allocated through the caching allocator and kept.
@@ -32,8 +39,13 @@ __all__ = [
     "AllocatorPeaks",
     "CUDA_CONTEXT_BYTES",
     "DeviceFit",
+    "FITS",
+    "FITS_TIGHT",
+    "DOES_NOT_FIT",
     "StepMemory",
     "device_fit",
+    "rank_device_fit",
+    "rank_overhead",
     "simulate_caching_allocator",
 ]
 
@@ -45,6 +57,7 @@ _LARGE_SEGMENT = 20 * MiB
 _MIN_LARGE_ALLOC = 10 * MiB
 _ROUND_LARGE = 2 * MiB
 CUDA_CONTEXT_BYTES = 450 * MiB
+FITS, FITS_TIGHT, DOES_NOT_FIT = "fits", "fits tight", "does not fit"
 
 
 def _cublas_workspace_bytes(compute_capability: str | None) -> int:
@@ -191,9 +204,12 @@ class DeviceFit:
         workspace_bytes: cuBLAS/cuBLASLt workspaces (included in allocated and reserved).
         device_total_bytes: the device-level total, as nvidia-smi would show it.
         usable_bytes: ``capacity_bytes × (1 − headroom)``.
-        fits: ``device_total_bytes ≤ usable_bytes``.
+        fits: ``device_total_bytes ≤ usable_bytes`` (fits with the headroom kept free).
         headroom_bytes: ``capacity_bytes − device_total_bytes`` (negative when it does not fit).
         notes: how the figures were derived.
+
+    :attr:`verdict` has three states: ``"fits"`` (``fits``), ``"fits tight"`` (inside the headroom, at
+    most the capacity: :attr:`tight_risks` says what could push it over) and ``"does not fit"``.
     """
 
     device: DeviceSpec
@@ -208,6 +224,25 @@ class DeviceFit:
     headroom_bytes: int
     notes: tuple[str, ...] = ()
 
+    @property
+    def verdict(self) -> str:
+        """``"fits"``, ``"fits tight"`` (above the headroom line, within capacity) or ``"does not fit"``."""
+        if self.device_total_bytes <= self.usable_bytes:
+            return FITS
+        return FITS_TIGHT if self.device_total_bytes <= self.capacity_bytes else DOES_NOT_FIT
+
+    @property
+    def tight_risks(self) -> tuple[str, ...]:
+        """For a tight fit: what could push it over (empty otherwise)."""
+        if self.verdict != FITS_TIGHT:
+            return ()
+        margin = self.capacity_bytes - self.device_total_bytes
+        return (
+            f"only {margin / MiB:,.0f} MiB ({margin / max(self.capacity_bytes, 1):.1%}) below capacity",
+            "fragmentation beyond the allocator model (try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)",
+            "other processes on the GPU, NCCL communicator buffers, a longer sample than the one traced",
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device.name,
@@ -219,6 +254,7 @@ class DeviceFit:
             "device_total_bytes": self.device_total_bytes,
             "usable_bytes": self.usable_bytes,
             "fits": self.fits,
+            "verdict": self.verdict,
             "headroom_bytes": self.headroom_bytes,
             "notes": list(self.notes),
         }
@@ -258,7 +294,15 @@ def device_fit(
                 f"estimated for {estimate.device_kind}; the {path.split(':')[1]} optimizer path used here"
             )
     capacity = spec.free_bytes if spec.free_bytes is not None else spec.memory_bytes
-    if gpu_kind:
+    own = getattr(estimate, "allocator_overhead", None)
+    if gpu_kind and own is not None:  # extrapolated: the churn's overhead, scaled with the blocks
+        workspace = _cublas_workspace_bytes(spec.compute_capability)
+        allocated = peak + own[0] + workspace
+        reserved = allocated + own[1]
+        context = CUDA_CONTEXT_BYTES
+        total = reserved + context
+        notes.append("caching allocator: the rounding and fragmentation of the sampled blocks, extrapolated")
+    elif gpu_kind:
         workspace = _cublas_workspace_bytes(spec.compute_capability)
         sim = simulate_caching_allocator(estimate.allocations, estimate.initial_allocations)
         rounding = sim.allocated_peak_bytes - estimate.peak_bytes
@@ -286,4 +330,90 @@ def device_fit(
         fits=total <= usable,
         headroom_bytes=int(capacity - total),
         notes=tuple(notes),
+    )
+
+
+def _churn(events: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The forward/backward churn of a step's events: what is born and dies before the gradients are
+    complete, without the storages that live to the step's end (the gradients, freed by ``zero_grad``
+    in the trailing run of frees, or never) and without what follows the last gradient's birth."""
+    end = len(events)
+    while end > 0 and events[end - 1][1] < 0:
+        end -= 1
+    born = {uid for uid, delta in events if delta > 0}
+    freed_early = {uid for uid, delta in events[:end] if delta < 0}
+    kept = {uid for uid in born if uid not in freed_early}  # alive at the end of the step's work
+    last = max((i for i, (uid, delta) in enumerate(events) if delta > 0 and uid in kept), default=end - 1)
+    return [(uid, delta) for uid, delta in events[: last + 1] if uid in born and uid not in kept]
+
+
+def rank_overhead(estimate: StepMemory) -> tuple[int, int]:
+    """``(rounding, fragmentation)`` bytes the caching allocator adds to one rank's own churn.
+
+    A rank's persistent state (parameter, gradient and optimizer-state shards, gathered units of a
+    fixed size) is a few exact blocks reused step after step; what fragments is the forward/backward
+    churn of activations and temporaries (:func:`_churn` of the step's events), which a rank runs in
+    full whatever the world size. It is replayed alone: rounding is its rounded peak over its live
+    peak, fragmentation its reserved peak over its rounded peak. An estimate that carries its own
+    ``allocator_overhead`` (extrapolated from shallow traces) gives it.
+    """
+    own = getattr(estimate, "allocator_overhead", None)
+    if own is not None:
+        return int(own[0]), int(own[1])
+    churn = _churn(estimate.allocations)
+    running = live_peak = 0
+    for _, delta in churn:
+        running += delta
+        live_peak = max(live_peak, running)
+    sim = simulate_caching_allocator(churn)
+    rounding = max(sim.allocated_peak_bytes - live_peak, 0)
+    return rounding, max(sim.reserved_peak_bytes - sim.allocated_peak_bytes, 0)
+
+
+def rank_device_fit(
+    estimate: StepMemory,
+    device: DeviceSpec,
+    rank_bytes: int,
+    *,
+    headroom: float = 0.1,
+    overhead: tuple[int, int] | None = None,
+    notes: tuple[str, ...] = (),
+) -> DeviceFit:
+    """What one rank of a multi-device run would show: its own live bytes plus the allocator's
+    overhead of the step's churn (:func:`rank_overhead`), workspace and context.
+
+    ``rank_bytes`` is the rank's peak of live tensor bytes; ``overhead`` a precomputed
+    :func:`rank_overhead` of ``estimate``.
+    """
+    if not 0 <= headroom < 0.9:
+        raise ConfigurationError(f"`rank_device_fit(headroom={headroom!r})` must be in [0, 0.9)")
+    capacity = device.free_bytes if device.free_bytes is not None else device.memory_bytes
+    out = list(notes)
+    if device.kind in ("cuda", "rocm"):
+        rounding, frag = overhead if overhead is not None else rank_overhead(estimate)
+        workspace = _cublas_workspace_bytes(device.compute_capability)
+        allocated = rank_bytes + rounding + workspace
+        reserved = allocated + frag
+        context = CUDA_CONTEXT_BYTES
+        out.append(
+            f"per-rank allocator: {rounding / MiB:,.1f} MiB rounding and {frag / MiB:,.1f} MiB fragmentation "
+            "of the step's own churn"
+        )
+    else:
+        allocated = reserved = rank_bytes
+        workspace = context = 0
+    total = reserved + context
+    usable = int(capacity * (1 - headroom))
+    return DeviceFit(
+        device=device,
+        capacity_bytes=int(capacity),
+        allocated_peak_bytes=int(allocated),
+        reserved_peak_bytes=int(reserved),
+        context_bytes=int(context),
+        workspace_bytes=int(workspace),
+        device_total_bytes=int(total),
+        usable_bytes=usable,
+        fits=total <= usable,
+        headroom_bytes=int(capacity - total),
+        notes=tuple(out),
     )

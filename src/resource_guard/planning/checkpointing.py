@@ -186,12 +186,15 @@ def _apply_own_switch(model: nn.Module) -> CheckpointHandle:
     return CheckpointHandle(_own_switch_modules(model), "transformers", undo)
 
 
-def apply_checkpointing(model: nn.Module) -> CheckpointHandle:
+def apply_checkpointing(model: nn.Module, every: int = 1) -> CheckpointHandle:
     """Switch on activation checkpointing of ``model``'s repeated blocks.
 
     Args:
         model: a transformers model (its own switch is used) or any module with a ``ModuleList`` /
             ``Sequential`` of same-class blocks.
+        every: checkpoint every ``every``-th block (blocks 0, k, 2k, ...; selective checkpointing);
+            1: all of them. With ``every > 1`` the blocks' forwards are wrapped, also for
+            transformers models.
 
     Returns:
         A :class:`CheckpointHandle`; ``handle.remove()`` restores the model exactly.
@@ -203,9 +206,11 @@ def apply_checkpointing(model: nn.Module) -> CheckpointHandle:
         raise ConfigurationError(
             f"`apply_checkpointing(model=...)` needs a torch.nn.Module, got {type(model).__name__}"
         )
-    if supports_own_switch(model):
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigurationError(f"`apply_checkpointing(every={every!r})` must be an int >= 1")
+    if supports_own_switch(model) and every == 1:
         return _apply_own_switch(model)
-    names = find_checkpoint_blocks(model)
+    names = find_checkpoint_blocks(model)[::every]
     if not names:
         raise ConfigurationError(
             f"`apply_checkpointing`: {type(model).__name__} has no repeated blocks (a ModuleList or "

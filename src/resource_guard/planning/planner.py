@@ -31,6 +31,13 @@ The rules, each covered by a test:
    ``meta`` device, so no large batch is allocated.
 6. **Strategy**: with ``world_size > 1``, DDP (full replica + gradient buckets) and FSDP full-shard
    are both sized per rank (:mod:`resource_guard.planning.strategy`); the cheaper that fits wins.
+   ``strategy="fsdp_grad_op"`` (ZeRO-2) and ``"hsdp"`` (sharded within ``gpus_per_node``) are sized
+   when asked for. FSDP's precision is its own mixed-precision policy (``fsdp_mixed_precision``,
+   :mod:`resource_guard.planning.sharding`): by default 16-bit parameters gathered per unit, fp32
+   sharded master and optimizer state, as Lightning's ``FSDPStrategy`` does; ``"autocast"`` models
+   fp32 parameters under autocast and says what the 16-bit policy would save.
+8. **Verdict**: ``Plan.verdict`` is ``"fits"``, or ``"fits tight"`` when a configuration is only
+   found inside the headroom (every configuration that fits with headroom is preferred).
 7. **Nothing fits**: :class:`~resource_guard.errors.DoesNotFitError` with a :class:`NoFitReport`:
    needed vs available, the alternatives tried, the catalog devices where it would fit, and how many
    of this device FSDP would need.
@@ -82,7 +89,8 @@ from resource_guard.planning.search import (
     render_table,
     search_largest,
 )
-from resource_guard.planning.strategy import STRATEGIES, RankMemory, unit_param_bytes
+from resource_guard.planning.sharding import FsdpPrecision, autocast_copy_bytes, fsdp_precision
+from resource_guard.planning.strategy import GPUS_PER_NODE, SHARDED, STRATEGIES, RankMemory, unit_param_bytes
 from resource_guard.step.batching import divisors
 from resource_guard.step.precision import parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of
@@ -111,6 +119,8 @@ class Plan:
         device: the device planned for (capacity capped by ``memory_limit``).
         precision: Lightning precision name.
         checkpointing: whether activation checkpointing is on; ``checkpointed_modules`` names the modules.
+        checkpoint_every: 0 (off), 1 (every block) or k (every k-th block: selective, tried at the
+            chosen micro-batch when checkpointing every block was needed).
         micro_batch_size / accumulation_steps / world_size: ``micro × accumulation × world == target``.
         strategy: ``"single"``, ``"ddp"`` or ``"fsdp"``.
         target_batch_size: the effective batch size per optimizer step.
@@ -121,6 +131,9 @@ class Plan:
         alternatives: the configurations considered, best first.
         traces: number of estimate traces the plan used.
         headroom: the fraction of capacity kept free.
+        fsdp_precision: the FSDP mixed-precision policy assumed (None unless the strategy is FSDP).
+
+    :attr:`verdict` is the fit's: ``"fits"`` or ``"fits tight"`` (inside the headroom).
     """
 
     device: DeviceSpec
@@ -139,6 +152,12 @@ class Plan:
     traces: int = 0
     headroom: float = 0.1
     rank_memory: RankMemory | None = field(default=None, repr=False)
+    fsdp_precision: FsdpPrecision | None = field(default=None, repr=False)
+    checkpoint_every: int = 0
+
+    @property
+    def verdict(self) -> str:
+        return self.fit.verdict
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary."""
@@ -147,9 +166,12 @@ class Plan:
             "capacity_bytes": self.fit.capacity_bytes,
             "usable_bytes": self.fit.usable_bytes,
             "predicted_peak_bytes": self.fit.device_total_bytes,
+            "verdict": self.verdict,
+            "fsdp_precision": self.fsdp_precision.name if self.fsdp_precision is not None else None,
             "precision": self.precision,
             "checkpointing": self.checkpointing,
             "checkpointed_modules": list(self.checkpointed_modules),
+            "checkpoint_every": self.checkpoint_every,
             "micro_batch_size": self.micro_batch_size,
             "accumulation_steps": self.accumulation_steps,
             "world_size": self.world_size,
@@ -168,14 +190,20 @@ class Plan:
         head = (
             f"**Plan**: {self.micro_batch_size} × {self.accumulation_steps} accumulation"
             f" × {self.world_size} ({self.strategy}) = {self.target_batch_size} on {self.device.name},"
-            f" {self.precision}, checkpointing {'on' if self.checkpointing else 'off'};"
+            f" {self.precision}, checkpointing {_ckpt_words(self.checkpoint_every)};"
             f" predicted {f.device_total_bytes / _MiB:,.1f} of {f.usable_bytes / _MiB:,.1f} MiB usable"
             f" ({self.traces} traces)"
         )
+        if self.verdict != "fits":
+            head += f"; **{self.verdict}**: " + "; ".join(f.tight_risks)
         return "\n".join([head, "", *(f"- {r}" for r in self.reasons), "", render_table(self.alternatives)])
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _ckpt_words(every: int) -> str:
+    return "off" if not every else "on" if every == 1 else f"every {every} blocks"
 
 
 # -- rules ------------------------------------------------------------------------------------------
@@ -222,9 +250,8 @@ def _check_args(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigurationError(f"`{call}(world_size={world_size!r})` must be an int >= 1")
     if strategy not in ("auto", *STRATEGIES):
-        raise ConfigurationError(
-            f"`{call}(strategy={strategy!r})` must be one of 'auto', 'single', 'ddp', 'fsdp'"
-        )
+        allowed = ", ".join(repr(s) for s in ("auto", *STRATEGIES))
+        raise ConfigurationError(f"`{call}(strategy={strategy!r})` must be one of {allowed}")
     if strategy == "single" and world_size > 1:
         raise ConfigurationError(
             f"`plan(strategy='single', world_size={world_size})`: one device cannot have {world_size} ranks; "
@@ -262,6 +289,8 @@ def plan(
     strategy: str = "auto",
     memory_limit: int | str | None = None,
     catalog: Catalog | str | os.PathLike[str] | None = None,
+    fsdp_mixed_precision: str = "params",
+    gpus_per_node: int = GPUS_PER_NODE,
 ) -> Plan:
     """Choose the fastest training configuration that fits (rules in the module docstring).
 
@@ -279,6 +308,10 @@ def plan(
         memory_limit: plan as if the device had only this much memory (bytes or ``"6GiB"``).
         catalog: the device catalog, or the path of a catalog file merged over the bundled one
             (default: the bundled catalog).
+        fsdp_mixed_precision: FSDP's policy for ``*-mixed``: ``"params"`` (16-bit parameters
+            gathered, Lightning's ``FSDPStrategy``), ``"params-fp32-reduce"`` or ``"autocast"``
+            (fp32 parameters under autocast).
+        gpus_per_node: the shard group of ``strategy="hsdp"``.
 
     Returns:
         A :class:`Plan`.
@@ -295,30 +328,59 @@ def plan(
         choose_precision(spec) if precision == "auto" else (parse_precision(precision).name, "as asked")
     )
     reasons.append(f"precision {precision}: {why}")
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ConfigurationError(f"`plan(gpus_per_node={gpus_per_node!r})` must be an int >= 1")
+    try:
+        policy = fsdp_precision(precision, fsdp_mixed_precision)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"`plan(fsdp_mixed_precision={fsdp_mixed_precision!r})`: {exc}") from None
     target, per_rank = _batch_per_rank(batch, target_batch_size, world_size)
     blocks = find_checkpoint_blocks(model)
     ckpt_options, strategies = _options(model, blocks, checkpointing, world_size, strategy)
+    strategies, skipped = _replicas_that_cannot_fit(model, precision, spec, strategies)
+    reasons += skipped
 
     units = unit_param_bytes(model, precision)
-    tracer = Tracer(model, optimizer, batch, loss_fn, precision, spec, headroom, units, world_size, blocks)
+    tracer = Tracer(
+        model, optimizer, batch, loss_fn, precision, spec, headroom, units, world_size, blocks,
+        policy=policy, gpus_per_node=gpus_per_node,
+    )  # fmt: skip
     noted: dict[str, None] = {}
     with _collect_warnings(noted):
         found = _search(tracer, divisors(per_rank), ckpt_options, strategies)
     for message in noted:
         warnings.warn(message, ResourceGuardWarning, stacklevel=2)
     rows = tracer.alternatives(per_rank)
+    if not found:  # nothing fits with the headroom: the configurations tried that fit inside it
+        found = [c for c in tracer.evaluated.values() if c.fit.verdict == "fits tight"]
     if not found:
         raise no_fit_error(tracer, spec, catalog, headroom, rows, units)
     best = _cheapest(found, per_rank)
+    if best.ckpt and checkpointing == "auto" and tracer.blocks and len(tracer.blocks) >= 6:
+        best = _least_checkpointing(tracer, best, reasons)
+        rows = tracer.alternatives(per_rank)
 
     reasons += batch_reasons(best, found, per_rank, target, world_size, tracer)
+    if best.strategy in SHARDED:
+        reasons.append(f"precision under {best.strategy}: {policy.describe()}")
+        if policy.policy == "autocast":
+            saved = autocast_copy_bytes(model, policy.autocast_dtype or policy.param_dtype)
+            reasons.append(
+                "autocast over fp32 parameters keeps a 16-bit copy of every matmul weight, unsharded, for "
+                f"backward (≈{saved / _MiB:,.0f} MiB per rank); a 16-bit parameter policy "
+                "(`MixedPrecision(param_dtype=torch.bfloat16)` / `MixedPrecisionPolicy`, "
+                "fsdp_mixed_precision='params') saves it"
+            )
+    if best.fit.verdict != "fits":
+        reasons.append(f"{best.fit.verdict}: " + "; ".join(best.fit.tight_risks))
     reasons += [f"{m} (estimate warning)" for m in noted]
     reasons.append(f"{tracer.count} estimate traces, no real step")
     return Plan(
         device=spec,
         precision=precision,
-        checkpointing=best.ckpt,
-        checkpointed_modules=blocks if best.ckpt else (),
+        checkpointing=bool(best.ckpt),
+        checkpointed_modules=blocks[:: int(best.ckpt)] if best.ckpt else (),
+        checkpoint_every=int(best.ckpt),
         micro_batch_size=best.micro,
         accumulation_steps=per_rank // best.micro,
         world_size=world_size,
@@ -331,6 +393,7 @@ def plan(
         traces=tracer.count,
         headroom=float(headroom),
         rank_memory=best.rank if best.strategy != "single" else None,
+        fsdp_precision=policy if best.strategy in SHARDED else None,
     )
 
 
@@ -400,6 +463,29 @@ def _options(
     return ckpt_options, ["single"] if world_size == 1 else ["ddp", "fsdp"]
 
 
+def _replicas_that_cannot_fit(
+    model: nn.Module, precision: str, device: DeviceSpec, strategies: list[str]
+) -> tuple[list[str], list[str]]:
+    """Drop DDP without tracing when a full replica's parameters and gradients, plus DDP's gradient
+    buckets, exceed the device's capacity (its optimizer state can only add to that); FSDP remains."""
+    if "ddp" not in strategies or len(strategies) == 1:
+        return strategies, []
+    spec = parse_precision(precision)
+    params = {id(p): p for p in model.parameters()}.values()
+    floor = sum(
+        p.numel()
+        * (max(p.element_size(), spec.param_dtype.itemsize) if p.is_floating_point() else p.element_size())
+        * (3 if p.requires_grad else 1)
+        for p in params
+    )
+    if floor <= device.memory_bytes:
+        return strategies, []
+    return [s for s in strategies if s != "ddp"], [
+        f"ddp not traced: a replica's parameters, gradients and gradient buckets alone take "
+        f"{floor / _MiB:,.0f} MiB, more than {device.name}'s {device.memory_bytes / _MiB:,.0f} MiB"
+    ]
+
+
 def _search(
     tracer: Tracer, divs: list[int], ckpt_options: list[bool], strategies: list[str]
 ) -> list[Candidate]:
@@ -428,6 +514,18 @@ def _cheapest(found: list[Candidate], per_rank: int) -> Candidate:
     if plain and ckpt_best is not None and cost(ckpt_best) < CHECKPOINT_MARGIN * cost(best):
         return ckpt_best
     return best
+
+
+def _least_checkpointing(tracer: Tracer, best: Candidate, reasons: list[str]) -> Candidate:
+    """At the chosen micro-batch, checkpoint every second block only, if that fits too (one trace)."""
+    half = tracer.evaluate(2, best.strategy, best.micro)
+    if not half.fits:
+        return best
+    reasons.append(
+        f"selective checkpointing: every 2nd block suffices at micro-batch {best.micro} "
+        f"({half.fit.device_total_bytes / _MiB:,.1f} MiB; half the recompute of checkpointing every block)"
+    )
+    return half
 
 
 def _mark_chosen(rows: tuple[Alternative, ...], best: Candidate) -> tuple[Alternative, ...]:

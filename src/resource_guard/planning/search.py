@@ -14,10 +14,23 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from resource_guard.estimate import MemoryEstimate, estimate_memory
+from resource_guard.estimate import MemoryEstimate
+from resource_guard.estimate.allocator import rank_overhead
+from resource_guard.estimate.blocks import SAMPLE_BLOCKS, estimate_by_blocks, sampleable
 from resource_guard.planning.checkpointing import apply_checkpointing
-from resource_guard.planning.strategy import RankMemory, rank_fit, rank_memory
+from resource_guard.planning.sharding import FsdpPrecision, trace_spec
+from resource_guard.planning.strategy import (
+    GPUS_PER_NODE,
+    SHARDED,
+    RankMemory,
+    overhead_envelope,
+    phase_peaks,
+    rank_fit,
+    rank_memory,
+    unit_param_bytes,
+)
 from resource_guard.step.batching import resize_batch
+from resource_guard.step.precision import PrecisionSpec, parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg
 
 if TYPE_CHECKING:
@@ -39,7 +52,7 @@ class Alternative:
     """One configuration the planner considered (a row of the alternatives table)."""
 
     precision: str
-    checkpointing: bool
+    checkpointing: bool | int
     micro_batch_size: int
     accumulation_steps: int
     strategy: str
@@ -50,7 +63,8 @@ class Alternative:
     chosen: bool = False
 
     def config(self) -> str:
-        ckpt = " +ckpt" if self.checkpointing else ""
+        every = int(self.checkpointing)
+        ckpt = (" +ckpt" if every == 1 else f" +ckpt every {every}") if every else ""
         where = f" {self.strategy}×{self.world_size}" if self.strategy != "single" else ""
         return f"{self.micro_batch_size}×{self.accumulation_steps} {self.precision}{ckpt}{where}"
 
@@ -66,12 +80,16 @@ def render_table(rows: tuple[Alternative, ...]) -> str:
 
 
 def relative_cost(
-    micro: int, per_rank: int, *, checkpointing: bool = False, strategy: str = "single"
+    micro: int, per_rank: int, *, checkpointing: bool | int = False, strategy: str = "single"
 ) -> float:
-    """Time per sample relative to the full per-rank batch without checkpointing (see rule 4)."""
+    """Time per sample relative to the full per-rank batch without checkpointing (see rule 4).
+
+    ``checkpointing``: False/0 none, True/1 every block, ``k`` every k-th block (1/k of the recompute).
+    """
     k = MICRO_STEP_OVERHEAD_SAMPLES
     cost = ((micro + k) / micro) / ((per_rank + k) / per_rank)
-    return cost * (CHECKPOINT_COST if checkpointing else 1.0) * (FSDP_COST if strategy == "fsdp" else 1.0)
+    recompute = 1.0 + (CHECKPOINT_COST - 1.0) / int(checkpointing) if checkpointing else 1.0
+    return cost * recompute * (FSDP_COST if strategy in SHARDED else 1.0)
 
 
 @dataclass(frozen=True)
@@ -79,7 +97,7 @@ class Candidate:
     """One evaluated configuration: a micro-batch under (checkpointing, strategy), and its figures."""
 
     micro: int
-    ckpt: bool
+    ckpt: bool | int  # False/0 off, True/1 every block, k every k-th block
     strategy: str
     estimate: MemoryEstimate
     fit: DeviceFit
@@ -95,7 +113,13 @@ class Candidate:
 
 
 class Tracer:
-    """Traces the step at a micro-batch size (cached and counted) and fits it to the device per strategy."""
+    """Traces the step at a micro-batch size (cached and counted) and fits it to the device per strategy.
+
+    FSDP strategies under a ``policy`` that gathers 16-bit parameters are traced with the parameters
+    in that dtype (:func:`~resource_guard.planning.sharding.trace_spec`); the others under
+    ``precision``. A model with repeated blocks is traced at two shallow depths and extrapolated
+    (:func:`~resource_guard.estimate.blocks.estimate_by_blocks`) unless ``by_blocks`` is False.
+    """
 
     def __init__(
         self,
@@ -109,59 +133,96 @@ class Tracer:
         units: Sequence[int],
         world_size: int,
         blocks: tuple[str, ...],
+        *,
+        policy: FsdpPrecision | None = None,
+        gpus_per_node: int = GPUS_PER_NODE,
+        by_blocks: bool = True,
     ) -> None:
         self.model, self.optimizer, self.batch, self.loss_fn = model, optimizer, batch, loss_fn
         self.precision, self.device, self.headroom = precision, device, headroom
         self.units, self.world_size = tuple(units), world_size
         self.blocks = blocks  # find_checkpoint_blocks(model), found once by the planner
+        self.policy, self.gpus_per_node = policy, gpus_per_node
+        self.sample_blocks = blocks if by_blocks and sampleable(model, blocks) else ()
+        self.policy_units = self.units
+        if policy is not None and policy.gathers_low_precision:
+            self.policy_units = unit_param_bytes(model, policy)
         self.count = 0
-        self._traces: dict[tuple[bool, int], MemoryEstimate] = {}
-        self.evaluated: dict[tuple[bool, str, int], Candidate] = {}
+        self._traces: dict[tuple[bool | int, int, str], tuple[MemoryEstimate, Any]] = {}
+        self.evaluated: dict[tuple[bool | int, str, int], Candidate] = {}
 
-    def trace(self, ckpt: bool, micro: int) -> MemoryEstimate:
-        key = (ckpt, micro)
+    def _spec(self, strategy: str) -> PrecisionSpec:
+        if strategy in SHARDED and self.policy is not None:
+            return trace_spec(self.policy)
+        return parse_precision(self.precision)
+
+    def trace(self, ckpt: bool | int, micro: int, spec: PrecisionSpec | None = None) -> MemoryEstimate:
+        spec = spec if spec is not None else parse_precision(self.precision)
+        key = (ckpt, micro, f"{spec.name}/{spec.param_dtype}")
         if key not in self._traces:
             batch = resize_batch(self.batch, micro)
-            handle = apply_checkpointing(self.model) if ckpt else None
+            every = int(ckpt)
+            handle = apply_checkpointing(self.model, every=every) if every else None
             try:
-                est = estimate_memory(
+                est = estimate_by_blocks(
                     self.model,
                     self.optimizer,
                     batch,
                     self.loss_fn,
-                    precision=self.precision,
+                    blocks=self.sample_blocks,
+                    precision=spec,
                     device=self.device.kind,
+                    samples=(every, 2 * every) if every > 1 else SAMPLE_BLOCKS,  # whole k-block periods
                 )
             finally:
                 if handle is not None:
                     handle.remove()
             self.count += 1
-            self._traces[key] = est
-        return self._traces[key]
+            self._traces[key] = (est, None)
+        return self._traces[key][0]
 
-    def evaluate(self, ckpt: bool, strategy: str, micro: int) -> Candidate:
+    def _overhead(self, ckpt: bool | int, micro: int, spec: PrecisionSpec) -> tuple[int, int]:
+        """The allocator overhead at ``micro``: the envelope over the traces of this kind up to it."""
+        tag = f"{spec.name}/{spec.param_dtype}"
+        mine: dict[int, tuple[int, int]] = {}
+        for key, (e, cached) in list(self._traces.items()):
+            if key[0] == ckpt and key[2] == tag and key[1] <= micro:
+                if cached is None:
+                    cached = rank_overhead(e)
+                    self._traces[key] = (e, cached)
+                mine[key[1]] = cached
+        return overhead_envelope(mine, micro)
+
+    def evaluate(self, ckpt: bool | int, strategy: str, micro: int) -> Candidate:
         key = (ckpt, strategy, micro)
         if key not in self.evaluated:
-            est = self.trace(ckpt, micro)
+            spec = self._spec(strategy)
+            est = self.trace(ckpt, micro, spec)
             fit = est.for_device(self.device, headroom=self.headroom)
-            rank = rank_memory(est, strategy, self.world_size, units=self.units)
+            sharded = strategy in SHARDED
+            low = sharded and self.policy is not None and self.policy.gathers_low_precision
+            units = self.policy_units if low else self.units
+            rank = rank_memory(
+                est, strategy, self.world_size, units=units, policy=self.policy if sharded else None,
+                gpus_per_node=self.gpus_per_node, peaks=phase_peaks(est) if sharded else None,
+            )  # fmt: skip
             if strategy != "single":
-                fit = rank_fit(fit, est, rank)
+                fit = rank_fit(fit, est, rank, overhead=self._overhead(ckpt, micro, spec))
             self.evaluated[key] = Candidate(micro, ckpt, strategy, est, fit, rank)
         return self.evaluated[key]
 
-    def _series(self, ckpt: bool, strategy: str) -> list[Candidate]:
+    def _series(self, ckpt: bool | int, strategy: str) -> list[Candidate]:
         return sorted(
             (c for (k, s, _), c in self.evaluated.items() if k == ckpt and s == strategy),
             key=lambda c: c.micro,
         )
 
-    def smallest_failing(self, ckpt: bool, strategy: str, micro: int) -> tuple[int, int] | None:
+    def smallest_failing(self, ckpt: bool | int, strategy: str, micro: int) -> tuple[int, int] | None:
         """``(micro-batch, bytes)`` of the smallest evaluated micro-batch above ``micro`` not fitting."""
         over = [c for c in self._series(ckpt, strategy) if c.micro > micro and not c.fits]
         return (over[0].micro, over[0].total) if over else None
 
-    def interpolated_limit(self, ckpt: bool, strategy: str, micro: int) -> int | None:
+    def interpolated_limit(self, ckpt: bool | int, strategy: str, micro: int) -> int | None:
         """The largest micro-batch, divisor or not, that the linear model says would fit."""
         series = self._series(ckpt, strategy)
         low = next((c for c in series if c.micro == micro), None)

@@ -1,32 +1,31 @@
-"""Per-rank memory of data-parallel strategies (DDP, FSDP full-shard), measured from one traced step.
+"""Per-rank memory of data-parallel strategies (DDP, FSDP full shard, SHARD_GRAD_OP, HSDP), from one trace.
 
-Both are derived from a single-device :class:`~resource_guard.MemoryEstimate` at the per-rank
-micro-batch, point by point over its timeline (bytes by category after every operator), so the
-activations, temporaries and gradients at each moment are the traced ones, not a rule of thumb.
+Each is derived from a single-device :class:`~resource_guard.MemoryEstimate` at the per-rank
+micro-batch, phase by phase over its timeline (bytes by category after every operator), so the
+activations and temporaries at each moment are the traced ones, not a rule of thumb.
 
 **DDP** keeps a full replica per rank, plus the reducer's gradient buckets. ``bucket_cap_mb``
 (default 25 MiB; the first bucket 1 MiB) only decides how gradients are grouped for the all-reduce:
 together the buckets hold every trainable gradient once, allocated when DDP is constructed and kept
 for the whole run. With the default ``gradient_as_bucket_view=False`` the ``.grad`` tensors are
 separate, so a rank holds ``traced step + all gradient bytes``; with ``gradient_as_bucket_view=True``
-the gradients are views into the buckets, so a rank holds the traced step with the gradients counted
-in full at every moment (``traced - gradients live + all gradient bytes``).
+the gradients are views into the buckets. DDP has no parameter policy: ``*-mixed`` is autocast over
+fp32 weights, as traced.
 
-**FSDP full shard** (``FULL_SHARD`` / ``fully_shard``) over ``N`` ranks keeps ``1/N`` of the
-parameters, gradients and optimizer state; buffers are replicated. A unit's parameters are
-all-gathered for its forward and again for its backward, and freed after: at any time the two largest
-units may be unsharded (the running one and the prefetched one), and in the backward the running
-unit's full gradient exists until it is reduce-scattered. Units are the repeated blocks
-(:func:`~resource_guard.planning.checkpointing.find_checkpoint_blocks`, what an auto-wrap policy wraps)
-and the root (every parameter outside them: embeddings, head). Per point of the timeline::
+**FSDP** (``"fsdp"``: ``FULL_SHARD`` / ``fully_shard``; ``"fsdp_grad_op"``: ``SHARD_GRAD_OP`` /
+``reshard_after_forward=False``, ZeRO-2; ``"hsdp"``: ``HYBRID_SHARD`` / a 2-D mesh, sharded within a
+node of ``gpus_per_node`` and replicated across nodes) shards parameters, gradients and optimizer
+state; its mixed-precision policy (:mod:`~resource_guard.planning.sharding`) decides the dtype of the
+gathered units, the reduce and the master shards. Units are the repeated blocks
+(:func:`~resource_guard.planning.checkpointing.find_checkpoint_blocks`, what an auto-wrap policy
+wraps) and the root (every parameter outside them). Per phase::
 
-    rank = (parameters + optimizer_state + gradients) / N + buffers + activations + inputs
-           + temporaries (÷ N in the optimizer phase, which runs on shards)
-           + two largest units' parameters (forward, backward) + largest unit's gradient (backward)
+    rank = (master params + master grads + optimizer state) / shard group
+           + traced activations, temporaries, inputs, buffers (optimizer-phase temporaries on shards)
+           + gathered units (two for full shard; all of them for SHARD_GRAD_OP)
+           + the largest unit's unsharded gradient in backward (and its fp32 copy for an fp32 reduce)
 
-Unit bytes use the parameters' dtype under the precision (fp32 for ``*-mixed``): FSDP mixed precision
-would gather in 16 bits, so this is conservative. NCCL's communicator buffers are not counted (the
-planner's headroom is for them).
+NCCL's communicator buffers are not counted (the headroom and the "fits tight" verdict are for them).
 
 Example:
     >>> import torch
@@ -43,7 +42,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -53,7 +51,9 @@ from torch import nn
 
 from resource_guard.errors import ConfigurationError
 from resource_guard.estimate import CATEGORIES
+from resource_guard.estimate.allocator import rank_device_fit, rank_overhead
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
+from resource_guard.planning.sharding import FsdpPrecision, PhasePeaks, fsdp_precision, sharded_rank_bytes
 from resource_guard.step.precision import parse_precision
 
 if TYPE_CHECKING:
@@ -66,12 +66,16 @@ __all__ = [
     "RankMemory",
     "GpuCount",
     "unit_param_bytes",
+    "overhead_envelope",
+    "phase_peaks",
     "rank_memory",
     "rank_fit",
     "gpus_needed",
 ]
 
-STRATEGIES = ("single", "ddp", "fsdp")
+STRATEGIES = ("single", "ddp", "fsdp", "fsdp_grad_op", "hsdp")
+SHARDED = {"fsdp": "full", "fsdp_grad_op": "grad_op", "hsdp": "hybrid"}
+GPUS_PER_NODE = 8
 DEFAULT_BUCKET_CAP_MB = 25
 _INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 
@@ -81,14 +85,15 @@ class RankMemory:
     """Live tensor bytes on one rank.
 
     Attributes:
-        strategy: ``"single"``, ``"ddp"`` or ``"fsdp"``.
+        strategy: one of :data:`STRATEGIES`.
         world_size: number of ranks.
         per_rank_bytes: peak live bytes on one rank (what ``max_memory_allocated`` would show).
         peak_phase: the phase where it peaks.
         model_state_bytes: parameters + gradients + optimizer state a rank keeps (sharded for FSDP).
         bucket_bytes: DDP gradient buckets (0 otherwise).
         unit_bytes: FSDP: the largest unit's unsharded parameter bytes (0 otherwise).
-        notes: how the figure was derived.
+        notes: how the figure was derived (the precision policy first, for FSDP).
+        precision_policy: FSDP: the mixed-precision policy assumed (``None`` otherwise).
     """
 
     strategy: str
@@ -99,6 +104,7 @@ class RankMemory:
     bucket_bytes: int = 0
     unit_bytes: int = 0
     notes: tuple[str, ...] = ()
+    precision_policy: FsdpPrecision | None = None
 
 
 @dataclass(frozen=True)
@@ -112,13 +118,23 @@ class GpuCount:
     usable_bytes: int
 
 
-def unit_param_bytes(model: nn.Module, precision: str) -> tuple[int, ...]:
-    """Unsharded parameter bytes of each FSDP unit, largest first: the repeated blocks, then the root."""
-    spec = parse_precision(precision)
+def unit_param_bytes(model: nn.Module, precision: str | FsdpPrecision) -> tuple[int, ...]:
+    """Unsharded parameter bytes of each FSDP unit, largest first: the repeated blocks, then the root.
+
+    ``precision``: a Lightning precision name (the parameters' dtype under it) or an FSDP policy
+    (its gathered ``param_dtype``).
+    """
+    cast = (
+        precision.param_dtype
+        if isinstance(precision, FsdpPrecision)
+        else parse_precision(precision).param_dtype
+    )
 
     def nbytes(p: torch.Tensor) -> int:
-        if p.is_floating_point() and spec.param_dtype != torch.float32:
-            return p.numel() * spec.param_dtype.itemsize
+        if p.is_floating_point() and cast != torch.float32:
+            return p.numel() * cast.itemsize
+        if p.is_floating_point():
+            return p.numel() * max(p.element_size(), cast.itemsize)
         return p.numel() * p.element_size()
 
     blocks = find_checkpoint_blocks(model)
@@ -151,6 +167,38 @@ def _full_gradient_bytes(estimate: MemoryEstimate) -> int:
     return int(estimate.breakdown.get("parameters", 0) * share)
 
 
+_TRANSIENT = tuple(_INDEX[c] for c in ("activations", "temporaries", "inputs", "other"))
+
+
+def phase_peaks(estimate: MemoryEstimate) -> PhasePeaks:
+    """The step's transient bytes at their highest per phase, and its model state (traced dtypes)."""
+    best = {"forward": 0, "backward": 0, "optimizer": 0}
+    # an extrapolated estimate keeps only a few moments of its backward: count every gradient there
+    extrapolated = getattr(estimate, "blocks_sampled", None) is not None
+    full = _full_gradient_bytes(estimate)
+    points: dict[tuple[str, int], int] = {}
+    for ph, v in _points(estimate):
+        key = "optimizer" if ph in ("optimizer", "zero_grad", "done") else ph
+        if key in best:
+            transient = sum(v[i] for i in _TRANSIENT)
+            best[key] = max(best[key], transient)
+            grads = full if extrapolated and key == "backward" else v[_INDEX["gradients"]]
+            points[(key, transient)] = max(points.get((key, transient), 0), grads)
+    b = estimate.breakdown
+    return PhasePeaks(
+        forward=best["forward"],
+        backward=best["backward"],
+        optimizer=best["optimizer"],
+        parameters=b.get("parameters", 0),
+        gradients_full=_full_gradient_bytes(estimate),
+        optimizer_state=b.get("optimizer_state", 0),
+        param_itemsize=max(1, round(b.get("parameters", 0) / estimate.parameter_count))
+        if estimate.parameter_count
+        else 4,
+        points=tuple((ph, tr, g) for (ph, tr), g in points.items()),
+    )
+
+
 def rank_memory(
     estimate: MemoryEstimate,
     strategy: str,
@@ -158,15 +206,23 @@ def rank_memory(
     *,
     units: Sequence[int] = (),
     gradient_as_bucket_view: bool = False,
+    policy: FsdpPrecision | None = None,
+    gpus_per_node: int = GPUS_PER_NODE,
+    peaks: PhasePeaks | None = None,
 ) -> RankMemory:
     """Peak live bytes per rank of ``estimate``'s step under ``strategy`` over ``world_size`` ranks.
 
     Args:
-        estimate: a single-device estimate at the per-rank micro-batch.
-        strategy: ``"single"``, ``"ddp"`` or ``"fsdp"``.
+        estimate: a single-device estimate at the per-rank micro-batch; for an FSDP policy that
+            gathers 16-bit parameters, traced under :func:`~resource_guard.planning.sharding.trace_spec`.
+        strategy: one of :data:`STRATEGIES`.
         world_size: number of ranks (>= 1).
-        units: FSDP unit sizes in bytes (:func:`unit_param_bytes`); required for ``"fsdp"``.
+        units: FSDP unit sizes in gathered bytes (:func:`unit_param_bytes`); required for FSDP.
         gradient_as_bucket_view: DDP's option of that name.
+        policy: FSDP's mixed-precision policy; default: the trace's own dtypes (autocast over fp32
+            parameters for ``*-mixed``).
+        gpus_per_node: the shard group of ``"hsdp"``.
+        peaks: :func:`phase_peaks` of ``estimate``, when already computed.
     """
     if strategy not in STRATEGIES:
         raise ConfigurationError(f"`strategy={strategy!r}` must be one of {', '.join(STRATEGIES)}")
@@ -185,42 +241,52 @@ def rank_memory(
             if total > best:
                 best, phase = total, ph
         how = "as views of the buckets" if gradient_as_bucket_view else "copied into buckets"
-        notes = (
+        notes: tuple[str, ...] = (
             f"full replica; gradients {how} ({grads_full} bytes in {DEFAULT_BUCKET_CAP_MB} MiB buckets)",
         )
         return RankMemory("ddp", world_size, best, phase, state + grads_full, grads_full, 0, notes)
     if not units:
-        raise ConfigurationError("`rank_memory(strategy='fsdp')` needs the unit sizes (`units=`).")
-    ranked = sorted(units, reverse=True)
-    gathered = ranked[0] + (ranked[1] if len(ranked) > 1 else 0)
-    n = world_size
-    best, phase = -1, None
-    for ph, v in _points(estimate):
-        sharded = (v[_INDEX["parameters"]] + v[_INDEX["optimizer_state"]] + v[_INDEX["gradients"]]) / n
-        temporaries = v[_INDEX["temporaries"]] / (n if ph == "optimizer" else 1)
-        transient = v[_INDEX["activations"]] + v[_INDEX["inputs"]] + v[_INDEX["other"]] + temporaries
-        unsharded = gathered if ph in ("forward", "backward") else 0
-        unsharded += ranked[0] if ph == "backward" else 0
-        total = int(sharded + transient + (unsharded if n > 1 else 0))
-        if total > best:
-            best, phase = total, ph
-    notes = (f"{len(ranked)} units, largest {ranked[0]} bytes unsharded; 2 units gathered at a time",)
-    return RankMemory("fsdp", n, best, phase, (state + grads_full) // n, 0, ranked[0], notes)
-
-
-def rank_fit(fit: DeviceFit, estimate: MemoryEstimate, rank: RankMemory) -> DeviceFit:
-    """``fit`` (the single-device figures of ``estimate``) shifted to the per-rank bytes of ``rank``."""
-    delta = rank.per_rank_bytes - estimate.peak_bytes
-    total = fit.device_total_bytes + delta
-    return dataclasses.replace(
-        fit,
-        allocated_peak_bytes=fit.allocated_peak_bytes + delta,
-        reserved_peak_bytes=fit.reserved_peak_bytes + delta,
-        device_total_bytes=total,
-        fits=total <= fit.usable_bytes,
-        headroom_bytes=fit.capacity_bytes - total,
-        notes=(*fit.notes, f"{rank.strategy} over {rank.world_size} ranks: per-rank bytes", *rank.notes),
+        raise ConfigurationError(f"`rank_memory(strategy={strategy!r})` needs the unit sizes (`units=`).")
+    policy = policy if policy is not None else fsdp_precision(estimate.precision, "autocast")
+    sharding = SHARDED[strategy]
+    group = min(world_size, gpus_per_node) if sharding == "hybrid" else world_size
+    total, phase, rank_state, notes = sharded_rank_bytes(
+        peaks if peaks is not None else phase_peaks(estimate), policy, units, group, sharding
     )
+    largest = max(units)
+    return RankMemory(strategy, world_size, total, phase, rank_state, 0, largest, notes, policy)
+
+
+def overhead_envelope(overheads: dict[int, tuple[int, int]], micro: int) -> tuple[int, int]:
+    """The allocator overhead used at ``micro``: the largest of those traced at micro-batches up to it.
+
+    The caching allocator's rounding and fragmentation are not monotone in the batch (a segment more
+    or less), so a plan could otherwise prefer a larger micro-batch on allocator noise; a rank never
+    needs less for a larger micro-batch by this model.
+    """
+    below = [o for m, o in overheads.items() if m <= micro]
+    if not below:
+        raise ConfigurationError(f"`overhead_envelope`: no overhead traced at or below micro-batch {micro}")
+    return max(o[0] for o in below), max(o[1] for o in below)
+
+
+def rank_fit(
+    fit: DeviceFit,
+    estimate: MemoryEstimate,
+    rank: RankMemory,
+    *,
+    overhead: tuple[int, int] | None = None,
+) -> DeviceFit:
+    """What a device would show for one rank of ``rank``: its own bytes plus the allocator overhead
+    of the step's churn (never the whole unsharded step's). ``fit`` gives the device and headroom."""
+    if rank.strategy == "single":
+        return fit
+    headroom = 1 - fit.usable_bytes / fit.capacity_bytes if fit.capacity_bytes else 0.0
+    notes = (f"{rank.strategy} over {rank.world_size} ranks: per-rank bytes", *rank.notes)
+    return rank_device_fit(
+        estimate, fit.device, rank.per_rank_bytes, headroom=max(0.0, round(headroom, 6)),
+        overhead=overhead, notes=notes,
+    )  # fmt: skip
 
 
 def gpus_needed(
@@ -230,6 +296,7 @@ def gpus_needed(
     units: Sequence[int],
     headroom: float = 0.1,
     max_count: int = 4096,
+    policy: FsdpPrecision | None = None,
 ) -> GpuCount | None:
     """The smallest number of ``device`` that runs ``estimate``'s step, and how (None: no count does).
 
@@ -240,8 +307,11 @@ def gpus_needed(
     if single.fits:
         return GpuCount(1, "single", device.name, single.device_total_bytes, single.usable_bytes)
 
+    peaks, overhead = phase_peaks(estimate), rank_overhead(estimate)
+
     def fits(n: int) -> DeviceFit:
-        return rank_fit(single, estimate, rank_memory(estimate, "fsdp", n, units=units))
+        rank = rank_memory(estimate, "fsdp", n, units=units, policy=policy, peaks=peaks)
+        return rank_fit(single, estimate, rank, overhead=overhead)
 
     if not fits(max_count).fits:
         return None

@@ -304,6 +304,13 @@ def render_preflight(
     if fit.fits:
         spare = format_bytes(fit.usable_bytes - fit.device_total_bytes)
         _print(console, _text("  ", ("FITS", "bold green"), f", {spare} to spare within the headroom"))
+    elif getattr(fit, "verdict", None) == "fits tight":  # inside the headroom, within capacity
+        into = format_bytes(fit.device_total_bytes - fit.usable_bytes)
+        below = format_bytes(fit.capacity_bytes - fit.device_total_bytes)
+        _print(
+            console,
+            _text("  ", ("FITS TIGHT", "bold yellow"), f": {into} into the headroom, {below} below capacity"),
+        )
     else:
         more = format_bytes(fit.device_total_bytes - fit.usable_bytes)
         _print(console, _text("  ", ("DOES NOT FIT", "bold red"), f": needs {more} more than usable"))

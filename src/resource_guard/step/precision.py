@@ -45,12 +45,14 @@ PRECISIONS: dict[str, PrecisionSpec] = {
 _ALIASES = {"32": "32-true", 32: "32-true", "16": "16-mixed", 16: "16-mixed", "bf16": "bf16-mixed"}
 
 
-def parse_precision(precision: str | int) -> PrecisionSpec:
-    """Return the :class:`PrecisionSpec` of a Lightning precision name.
+def parse_precision(precision: str | int | PrecisionSpec) -> PrecisionSpec:
+    """Return the :class:`PrecisionSpec` of a Lightning precision name (a spec is returned as is).
 
     >>> parse_precision("bf16-mixed").autocast_dtype
     torch.bfloat16
     """
+    if isinstance(precision, PrecisionSpec):
+        return precision
     key = _ALIASES.get(precision, precision)
     if isinstance(key, str) and key in PRECISIONS:
         return PRECISIONS[key]
