@@ -23,6 +23,7 @@ from resource_guard.devices import resolve_device
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import kernels as _kernels
 from resource_guard.estimate.analytic import analytic_estimate
+from resource_guard.estimate.cpu_support import CpuKernelSupport
 from resource_guard.estimate.fake_world import (
     AS_SET,
     FOR_LOOP,
@@ -31,6 +32,7 @@ from resource_guard.estimate.fake_world import (
     fused_attention,
     isolated_global_state,
 )
+from resource_guard.estimate.quiet import torch_logs_silenced
 from resource_guard.estimate.result import MemoryEstimate
 from resource_guard.estimate.tracer import PeakRecord, StorageTracker
 from resource_guard.step.precision import PrecisionSpec, parse_precision
@@ -142,7 +144,10 @@ def _trace(
     device_kind: str,
 ) -> MemoryEstimate:
     started = time.perf_counter()
-    tracker = StorageTracker(functools.partial(_kernels.kernel_extra, device_kind=device_kind))
+    unsupported: list[CpuKernelSupport] = []
+    tracker = StorageTracker(
+        functools.partial(_kernels.kernel_extra, device_kind=device_kind, cpu_unsupported=unsupported)
+    )
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     spans: list[tuple[str, int, int]] = []
     fused = fused_attention() if device_kind in ("cuda", "rocm") else contextlib.nullcontext()
@@ -198,6 +203,7 @@ def _trace(
         f" ({count}x)"
         for name, count in tracker.assumptions.items()
     ]
+    notes += [f"this CPU cannot run the step: {u.describe()}" for u in unsupported]
     keep = lambda ph: not ph.startswith("optimizer:") or ph == f"optimizer:{variant}"  # noqa: E731
     persistent = sum(best.breakdown[c] for c in ("parameters", "optimizer_state", "other"))
     return MemoryEstimate(
@@ -214,6 +220,7 @@ def _trace(
         persistent_bytes=persistent,
         phase_peak_bytes=phase_peaks,
         warnings=tuple(notes),
+        cpu_unsupported=tuple(u.describe() for u in unsupported),
         timeline=_downsample(tracker.timeline, keep),
         allocations=tuple(_events_for(tracker, spans, variant)),
         initial_allocations=initial,
@@ -260,7 +267,8 @@ def estimate_memory(
     kind = _device_kind(device) if device is not None else _default_kind(model)
     with isolated_global_state():
         try:
-            return _trace(model, optimizer, batch, loss_fn, spec, kind)
+            with torch_logs_silenced():  # a failed fake kernel is reported below, not by torch's log
+                return _trace(model, optimizer, batch, loss_fn, spec, kind)
         except ConfigurationError:
             raise
         except Exception as exc:  # the trace could not run this model: fall back, conservatively

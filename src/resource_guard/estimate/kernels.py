@@ -23,6 +23,9 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from resource_guard.estimate.cpu_support import CHECKED_OPS, CpuKernelSupport, cpu_can_run, reduced_gemm_packs
+from resource_guard.estimate.quiet import quiet_profile
+
 __all__ = ["KernelExtra", "kernel_extra", "PROBE_BUDGET_BYTES"]
 
 PROBE_BUDGET_BYTES = 512 * 2**20
@@ -106,9 +109,7 @@ def _probe(
             for t in tree_flatten((real_args, real_kwargs))[0]
             if isinstance(t, torch.Tensor)
         }
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-        ) as prof:
+        with quiet_profile() as prof:
             out = func(*real_args, **real_kwargs)
         peak = peak_of(allocation_deltas(prof))
         outputs: list[int | None] = []
@@ -152,20 +153,24 @@ def kernel_extra(
     size_of: Callable[[torch.Tensor], int | None],
     *,
     device_kind: str = "cpu",
+    cpu_unsupported: list[CpuKernelSupport] | None = None,
 ) -> KernelExtra | None:
     """Scratch and true output sizes of the real kernel of ``func``, or ``None`` if it has none.
 
     ``size_of`` tells the tracked storage size of an input (workspaces whose fake is empty).
     ``device_kind`` is the target's: the CPU-only kernels (oneDNN's reduced-precision GEMMs, which
-    pack their operands into scratch, and the CPU flash attention) are probed only for CPU targets;
-    on CUDA, cuBLAS works in its workspace (see :mod:`resource_guard.estimate.allocator`).
+    pack their operands into scratch where this CPU lets oneDNN run them, and the CPU flash attention)
+    are probed only for CPU targets; on CUDA, cuBLAS works in its workspace (see
+    :mod:`resource_guard.estimate.allocator`). For a CPU target, an operator this CPU has no kernel
+    for (:func:`~resource_guard.estimate.cpu_support.cpu_can_run`) is appended to ``cpu_unsupported``.
     """
     cpu = device_kind == "cpu"
+    if cpu and cpu_unsupported is not None:
+        _check_cpu_kernel(func, args, cpu_unsupported)
     if func in _MATMULS:
         copied = _blas_copy_bytes(func, args)
-        reduced = cpu and any(
-            isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) for t in args[:3]
-        )
+        dtype = next((t.dtype for t in args[:3] if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+        reduced = cpu and dtype in (torch.bfloat16, torch.float16) and reduced_gemm_packs(dtype)
         if not reduced:
             return KernelExtra(copied) if copied else None
         extra = _probe_or_rule(func, args, kwargs, out, size_of, _REDUCED_GEMM_FACTOR)
@@ -176,6 +181,18 @@ def kernel_extra(
     if factor is None:
         return None
     return _probe_or_rule(func, args, kwargs, out, size_of, factor)
+
+
+def _check_cpu_kernel(func: Any, args: tuple, found: list[CpuKernelSupport]) -> None:
+    name = str(func).rsplit(".", 1)[0]  # aten.mkldnn_rnn_layer.default -> aten.mkldnn_rnn_layer
+    if name not in CHECKED_OPS:
+        return
+    dtype = next((t.dtype for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), None)
+    if dtype is None:
+        return
+    support = cpu_can_run(name, dtype)
+    if not support.runs and support not in found:
+        found.append(support)
 
 
 def _probe_or_rule(

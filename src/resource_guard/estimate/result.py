@@ -35,6 +35,9 @@ class MemoryEstimate:
             for the caching-allocator model of :meth:`for_device`; ``initial_allocations`` holds
             ``(id, bytes)`` of the storages alive when the step began.
         trace_seconds: time the estimate took.
+        cpu_unsupported: for a CPU target, the step's operators this machine's CPU has no kernel for
+            (e.g. ``"aten.mkldnn_rnn_layer in bf16 (oneDNN's bf16 LSTM needs AVX-512; …)"``): a real
+            step here would fail; ``warnings`` says so too. Empty when the CPU runs the step.
     """
 
     peak_bytes: int
@@ -54,6 +57,7 @@ class MemoryEstimate:
     allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     initial_allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     trace_seconds: float = 0.0
+    cpu_unsupported: tuple[str, ...] = ()
 
     def for_device(
         self, device: str | DeviceSpec = "auto", *, headroom: float = 0.1, catalog: Any = None
@@ -88,4 +92,5 @@ class MemoryEstimate:
             "phase_peak_bytes": dict(self.phase_peak_bytes),
             "warnings": list(self.warnings),
             "trace_seconds": round(self.trace_seconds, 3),
+            "cpu_unsupported": list(self.cpu_unsupported),
         }
