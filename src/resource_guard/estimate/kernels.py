@@ -26,9 +26,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 from resource_guard.estimate.cpu_support import CHECKED_OPS, CpuKernelSupport, cpu_can_run, reduced_gemm_packs
 from resource_guard.estimate.quiet import quiet_profile
 
-__all__ = ["KernelExtra", "kernel_extra", "PROBE_BUDGET_BYTES"]
+__all__ = ["KernelExtra", "PROBE_BUDGET_BYTES", "PROBE_BUDGET_FLOPS", "kernel_extra"]
 
 PROBE_BUDGET_BYTES = 512 * 2**20
+#: floating-point operations one probe may cost; a bigger CPU flash attention is probed at one and two
+#: heads and extrapolated (:func:`_reduced_probe`)
+PROBE_BUDGET_FLOPS = 4 * 10**9
 _aten = torch.ops.aten
 
 
@@ -126,6 +129,51 @@ def _probe(
     return KernelExtra(max(0, peak - kept), tuple(outputs))
 
 
+def _leading(func: Any, args: tuple) -> tuple[int, int, Callable[[int], tuple]] | None:
+    """``(units, flops per unit, cut)`` for the CPU flash attention, whose probe may be cut.
+
+    Its scratch is affine in batch × heads (measured with oneDNN at AVX-512 and at AVX2 alike: the
+    forward keeps a per-thread constant, the backward ``const + B·H·T·D`` bf16 elements, exactly), so
+    probes at 1 and 2 heads are extrapolated. ``cut(n)`` returns ``args`` with ``B=1, H=n``. GEMMs
+    are never cut: oneDNN's packing scratch depends on the rows through its blocking, not smoothly.
+    """
+    if func not in _CPU_ONLY:
+        return None
+    tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    q, k = args[:2] if "backward" not in str(func) else args[1:3]
+    bh = tuple(q.shape[:2])
+    if any(t.dim() < 3 or tuple(t.shape[:2]) != bh for _, t in tensors):
+        return None  # a broadcast mask or grouped heads: not cut
+    per_head = 4 * int(q.shape[2]) * int(k.shape[2]) * int(q.shape[3]) * (3 if "backward" in str(func) else 1)
+    return int(bh[0] * bh[1]), per_head, lambda n: _cut(args, {i: (1, n) for i, _ in tensors})
+
+
+def _cut(args: tuple, lead: dict[int, tuple[int, ...]]) -> tuple:
+    """``args`` with the tensors at the keys of ``lead`` given those leading sizes (meta tensors with the
+    original strides, so the layout class, row- or column-major, is kept)."""
+    out = list(args)
+    with _disable_current_modes():
+        for i, sizes in lead.items():
+            t = args[i]
+            shape = (*sizes, *t.shape[len(sizes) :])
+            out[i] = torch.empty_strided(shape, t.stride(), dtype=t.dtype, device="meta")
+    return tuple(out)
+
+
+def _reduced_probe(
+    func: Any, args: tuple, kwargs: dict, size_of: Callable[[torch.Tensor], int | None]
+) -> KernelExtra:
+    """The probe of ``func``; one costing more than :data:`PROBE_BUDGET_FLOPS` is run at 1 and 2 units
+    and extrapolated where :func:`_leading` allows it (the output sizes are then the fake's)."""
+    lead = _leading(func, args)
+    if lead is None or lead[0] * lead[1] <= PROBE_BUDGET_FLOPS or lead[0] < 3:
+        return _probe(func, args, kwargs, size_of)
+    units, _, cut = lead
+    one = _probe(func, cut(1), kwargs, size_of).scratch_bytes
+    two = _probe(func, cut(2), kwargs, size_of).scratch_bytes
+    return KernelExtra(two + max(0, two - one) * (units - 2))
+
+
 def _blas_copy_bytes(func: Any, args: tuple) -> int:
     """Bytes of the operands a BLAS matmul must first copy: neither row- nor column-major (e.g. expanded)."""
     total = 0
@@ -212,7 +260,7 @@ def _probe_or_rule(
     found = _CACHE.get(key)
     if found is None:
         try:
-            found = _probe(func, args, kwargs, size_of)
+            found = _reduced_probe(func, args, kwargs, size_of)
         except Exception:  # a probe is a refinement; without it the rule of thumb stands
             found = KernelExtra(int(largest * factor))
         _CACHE[key] = found
