@@ -132,10 +132,11 @@ def _probe(
 def _leading(func: Any, args: tuple) -> tuple[int, int, Callable[[int], tuple]] | None:
     """``(units, flops per unit, cut)`` for the CPU flash attention, whose probe may be cut.
 
-    Its scratch is affine in batch × heads (measured with oneDNN at AVX-512 and at AVX2 alike: the
-    forward keeps a per-thread constant, the backward ``const + B·H·T·D`` bf16 elements, exactly), so
-    probes at 1 and 2 heads are extrapolated. ``cut(n)`` returns ``args`` with ``B=1, H=n``. GEMMs
-    are never cut: oneDNN's packing scratch depends on the rows through its blocking, not smoothly.
+    Once every thread has a head to work on, its scratch is affine in batch × heads (measured at
+    AVX-512 and AVX2 alike: the forward keeps a per-thread constant, the backward adds ``T·D`` bf16
+    elements per head, exactly), so probes at one and two heads per thread are extrapolated.
+    ``cut(n)`` returns ``args`` with ``B=1, H=n``. GEMMs are never cut: oneDNN's packing scratch
+    depends on the rows through its blocking, not smoothly.
     """
     if func not in _CPU_ONLY:
         return None
@@ -163,15 +164,17 @@ def _cut(args: tuple, lead: dict[int, tuple[int, ...]]) -> tuple:
 def _reduced_probe(
     func: Any, args: tuple, kwargs: dict, size_of: Callable[[torch.Tensor], int | None]
 ) -> KernelExtra:
-    """The probe of ``func``; one costing more than :data:`PROBE_BUDGET_FLOPS` is run at 1 and 2 units
-    and extrapolated where :func:`_leading` allows it (the output sizes are then the fake's)."""
+    """The probe of ``func``; one costing more than :data:`PROBE_BUDGET_FLOPS` is run at one and two
+    units per thread and extrapolated where :func:`_leading` allows it (output sizes: the fake's)."""
     lead = _leading(func, args)
-    if lead is None or lead[0] * lead[1] <= PROBE_BUDGET_FLOPS or lead[0] < 3:
+    threads = max(1, torch.get_num_threads())
+    if lead is None or lead[0] * lead[1] <= PROBE_BUDGET_FLOPS or lead[0] <= 2 * threads:
         return _probe(func, args, kwargs, size_of)
     units, _, cut = lead
-    one = _probe(func, cut(1), kwargs, size_of).scratch_bytes
-    two = _probe(func, cut(2), kwargs, size_of).scratch_bytes
-    return KernelExtra(two + max(0, two - one) * (units - 2))
+    # below one unit per thread the per-thread buffers are not all taken: cut to `threads` and twice that
+    one = _probe(func, cut(threads), kwargs, size_of).scratch_bytes
+    two = _probe(func, cut(2 * threads), kwargs, size_of).scratch_bytes
+    return KernelExtra(two + max(0, two - one) * (units - 2 * threads) // threads)
 
 
 def _blas_copy_bytes(func: Any, args: tuple) -> int:
