@@ -110,3 +110,18 @@ def test_torch_logger_state_is_restored_even_after_an_error() -> None:
         assert logger.disabled  # the outer block still holds it
         raise RuntimeError("boom")
     assert not logger.disabled
+
+
+def test_an_estimate_leaves_the_users_own_profiler_session_alone(capfd: pytest.CaptureFixture[str]) -> None:
+    from torch import nn
+
+    from resource_guard import estimate_memory
+
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 8))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        est = estimate_memory(model, torch.optim.SGD, torch.randn(16, 64), lambda m, b: m(b).float().sum(),
+                              precision="bf16-mixed", device="cpu")  # fmt: skip
+        torch.mm(torch.ones(4, 4), torch.ones(4, 4))
+    assert est.method == "trace"
+    assert any(e.name == "aten::mm" for e in prof.events())  # the user's session recorded to the end
+    assert "no active profiling session" not in capfd.readouterr().err

@@ -99,15 +99,24 @@ def cpu_can_run(op: str, dtype: torch.dtype) -> CpuKernelSupport:
     return CpuKernelSupport(op, dtype, True)
 
 
-@functools.cache
 def reduced_gemm_packs(dtype: torch.dtype) -> bool:
     """Whether this CPU's ``dtype`` (bf16/fp16) matmuls go through oneDNN, which allocates packing scratch.
 
-    Probed with a 64×64×64 matmul under the profiler: any allocation besides the output is scratch.
-    ``False`` means ATen's own loop, which allocates nothing (an AVX2 CPU in bf16, most CPUs in fp16).
+    Probed once with a 64×64×64 matmul under the profiler: any allocation besides the output is
+    scratch. ``False`` means ATen's own loop, which allocates nothing (an AVX2 CPU in bf16, most CPUs
+    in fp16). If the probe cannot run (another profiler is active), ``True``: the per-shape probes,
+    or their rule of thumb, stand — and the next call probes again.
     """
     if dtype not in _REDUCED:
         return False
+    try:
+        return _reduced_gemm_packs(dtype)
+    except RuntimeError:
+        return True
+
+
+@functools.cache
+def _reduced_gemm_packs(dtype: torch.dtype) -> bool:
     with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
         a = torch.zeros(64, 64, dtype=dtype)
         with quiet_profile() as prof:

@@ -7,7 +7,11 @@ flash-attention kernels allocate per-thread accumulators. For these
 operators the real kernel is *probed*: run once on real zero tensors of the same shapes (one
 operator's tensors, never the model's), its allocations read from torch.profiler's memory records,
 and the answer cached by shape. Probes are skipped above ``PROBE_BUDGET_BYTES``; then a rule of thumb
-measured on the same kernels stands in (scaled by the operator's tensor bytes).
+measured on the same kernels stands in (scaled by the operator's tensor bytes). Reduced-precision
+GEMMs are probed only where this CPU runs them through oneDNN
+(:func:`~resource_guard.estimate.cpu_support.reduced_gemm_packs`; ATen's own loop allocates nothing,
+and is too slow to probe), and a CPU flash attention costing more than ``PROBE_BUDGET_FLOPS`` is
+probed at one and two heads per thread and extrapolated (its scratch is affine in the heads).
 
 These CPU kernels also stand in for the target's kernels (cuDNN keeps comparable workspaces); the
 allocator model in :mod:`resource_guard.estimate.allocator` adds what only CUDA has.
@@ -30,7 +34,7 @@ __all__ = ["KernelExtra", "PROBE_BUDGET_BYTES", "PROBE_BUDGET_FLOPS", "kernel_ex
 
 PROBE_BUDGET_BYTES = 512 * 2**20
 #: floating-point operations one probe may cost; a bigger CPU flash attention is probed at one and two
-#: heads and extrapolated (:func:`_reduced_probe`)
+#: heads per thread and extrapolated (:func:`_reduced_probe`)
 PROBE_BUDGET_FLOPS = 4 * 10**9
 _aten = torch.ops.aten
 
@@ -259,7 +263,7 @@ def _probe_or_rule(
     largest = max((_bytes_of(t) for t in tensors), default=0)
     if sum(_bytes_of(t) for t in tensors) * 2 > PROBE_BUDGET_BYTES:
         return KernelExtra(int(largest * factor))
-    key = (_signature(func, args, kwargs), tuple(size_of(t) for t in tensors))
+    key = (_signature(func, args, kwargs), tuple(size_of(t) for t in tensors), torch.get_num_threads())
     found = _CACHE.get(key)
     if found is None:
         try:

@@ -110,7 +110,13 @@ def torch_logs_silenced() -> Iterator[None]:
 
 @contextlib.contextmanager
 def quiet_profile() -> Iterator[torch.profiler.profile]:
-    """``torch.profiler.profile`` of CPU activity with memory records; its start/stop lines silenced."""
+    """``torch.profiler.profile`` of CPU activity with memory records; its start/stop lines silenced.
+
+    Raises ``RuntimeError`` before touching anything if a profiler is already running (the user's
+    own session: starting a second one would end it).
+    """
+    if torch._C._autograd._profiler_enabled():
+        raise RuntimeError("another torch profiler is active")
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     with native_stderr_silenced():
         prof.__enter__()
