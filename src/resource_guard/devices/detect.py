@@ -193,7 +193,7 @@ CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
 
 
 def cpu_summary(cpuinfo: str | None = None) -> str:
-    """One line naming this CPU and what decides its kernels: model, ISA flags (``-`` = absent), torch's
+    r"""One line naming this CPU and what decides its kernels: model, ISA flags (``-`` = absent), torch's
     CPU capability and a ``ONEDNN_MAX_CPU_ISA`` cap if one is set. For logs and skip reasons.
 
     Example:
