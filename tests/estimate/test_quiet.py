@@ -58,7 +58,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
 def test_preflight_and_bf16_cpu_estimates_print_no_native_log_lines() -> None:
     preflight = _run(["-c", "import sys; from resource_guard.cli import main; sys.exit(main(sys.argv[1:]))",
                       "preflight", "--device", "cpu", "--precision", "bf16-mixed"])  # fmt: skip
-    assert "FITS" in preflight.stdout or "does not fit" in preflight.stdout.lower()
+    assert "bf16-mixed" in preflight.stdout
     estimates = _run(["-c", _ESTIMATES])
     assert estimates.stdout.split() == ["trace", "analytic"]
     for done in (preflight, estimates):
