@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from cpu_reference import skip_unless_cpu_runs
 from resource_guard import estimate_memory, guard, plan
 from resource_guard.cli import main
 from resource_guard.devices import load_catalog
@@ -488,6 +489,7 @@ def test_preflight_estimates_a_float64_model(workdir, capsys):
 
 def _close_to_real(model: nn.Module, optimizer: Any, batch: Any, loss_fn: Any, precision: str = "32-true"):
     est = estimate_memory(model, optimizer, batch, loss_fn, precision=precision, device="cpu")
+    skip_unless_cpu_runs(est)
     twin = copy.deepcopy(model)
     real = measure_training_step(
         twin, optimizer(list(twin.parameters())), batch, loss_fn, precision=precision

@@ -28,7 +28,10 @@ def test_module_docstring_example_runs() -> None:
 def test_devices_re_exports_detection_in_either_import_order() -> None:
     assert devices.detect_local_devices is detect.detect_local_devices
     assert devices.resolve_device is detect.resolve_device
+    assert devices.cpu_summary is detect.cpu_summary
     assert "detect_local_devices" in devices.__all__ and detect.__all__ == [
+        "CPU_ISA_FLAGS",
+        "cpu_summary",
         "detect_local_devices",
         "resolve_device",
     ]
@@ -254,3 +257,11 @@ def test_resolve_explicit_cuda_devices(fake_nvml: _FakeNvml, monkeypatch: pytest
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(ConfigurationError, match="no CUDA device is visible"):
         resolve_device("cuda")
+
+
+def test_cpu_summary_names_the_model_and_the_isa_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    info = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse4_2 avx2 fma\n"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    line = detect.cpu_summary(info)
+    assert line.startswith("AMD EPYC 7B13; avx2 -avx512f -avx512_bf16 -avx512_fp16 -amx_bf16; torch CPU")
+    assert line.endswith("ONEDNN_MAX_CPU_ISA=AVX2")

@@ -15,6 +15,9 @@ the loss scalar, a GradScaler-style ``1/scale`` 0-d tensor, the allocator's 64-b
 tensors that differ by kernel — are a large share of the total yet irrelevant to any capacity
 decision (no device is sized within 64 KiB). A trace that cannot run must fall back to the analytic
 estimate, which must be conservative: ``estimate >= real`` with no tolerance. No case may raise.
+Where this CPU cannot run the reference step (the estimate's ``cpu_unsupported``: an LSTM under fp16
+autocast, or under bf16 without AVX-512), the example is discarded with the reason
+(``tests/cpu_reference.py``).
 
 Repeatability: ``derandomize=True`` (the examples are a function of the test's code), no database.
 The default run (30 cases) takes ~20 s on 2 cores; the ``slow`` variant (120 cases) ~80 s.
@@ -37,9 +40,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from cpu_reference import skip_unless_cpu_runs
 from resource_guard import estimate_memory
 from resource_guard.errors import ResourceGuardWarning
 from resource_guard.estimate import measure_training_step
+from resource_guard.estimate.cpu_support import cpu_can_run
 
 TOLERANCE_FRACTION = 0.02
 TOLERANCE_FLOOR_BYTES = 64 * 1024
@@ -131,13 +136,6 @@ def optimizer_factory(name: str) -> Any:
     return make
 
 
-#: Configurations PyTorch itself cannot run on a CPU, so there is no ground truth to compare with: an
-#: LSTM under fp16 autocast fails in oneDNN ("could not create a primitive descriptor for the LSTM
-#: forward propagation primitive") on CPUs without native fp16 (it runs on CUDA). The estimate must
-#: still be made without error; ``test_lstm_16_mixed_is_estimated_though_the_cpu_cannot_run_it``.
-CPU_CANNOT_RUN = {("lstm", "16-mixed")}
-
-
 def compare(case: Case) -> tuple[Any, Any]:
     """Estimate and measure ``case``; assert the property. Returns ``(estimate, measured)``."""
     model, make_optimizer, batch, loss_fn = build(case)
@@ -145,14 +143,10 @@ def compare(case: Case) -> tuple[Any, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResourceGuardWarning)
         est = estimate_memory(model, make_optimizer, batch, loss_fn, precision=case.precision, device="cpu")
-    try:
-        real = measure_training_step(
-            twin, make_optimizer(list(twin.parameters())), batch, loss_fn, precision=case.precision
-        )
-    except RuntimeError:
-        if (case.kind, case.precision) in CPU_CANNOT_RUN:
-            return est, None  # no reference: see CPU_CANNOT_RUN below
-        raise
+    skip_unless_cpu_runs(est)  # e.g. an LSTM under fp16 (or bf16 without AVX-512) autocast: no reference
+    real = measure_training_step(
+        twin, make_optimizer(list(twin.parameters())), batch, loss_fn, precision=case.precision
+    )
     if est.method == "analytic":  # a fallback is allowed, but only when it says why and is conservative
         assert any("analytic" in str(w.message) for w in caught), case
         assert est.peak_bytes >= real.peak_bytes, (case, est.peak_bytes, real.peak_bytes)
@@ -208,8 +202,13 @@ def test_estimate_is_never_under_a_real_cpu_step_many(case: Case) -> None:
 
 # -- cases found by fuzzing, kept as regular tests --------------------------------------------------
 def test_lstm_16_mixed_is_estimated_though_the_cpu_cannot_run_it() -> None:
-    """Found by the fuzzer: the reference step raises in oneDNN; the estimate must still be made."""
+    """Found by the fuzzer: the reference step raises in oneDNN on CPUs without native fp16; the
+    estimate must still be made, and must say whether this CPU can run the step."""
     case = Case("lstm", (1, 1), batch_size=1, precision="16-mixed", optimizer="sgd", extent=1)
-    est, _ = compare(case)
+    model, make_optimizer, batch, loss_fn = build(case)
+    est = estimate_memory(model, make_optimizer, batch, loss_fn, precision=case.precision, device="cpu")
     assert est.method == "trace"
     assert est.peak_bytes >= est.breakdown["parameters"] + est.breakdown["gradients"] > 0
+    runs = cpu_can_run("aten.mkldnn_rnn_layer", torch.float16).runs
+    assert bool(est.cpu_unsupported) is not runs
+    assert runs or any(w.startswith("this CPU cannot run the step") for w in est.warnings)

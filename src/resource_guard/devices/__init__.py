@@ -19,12 +19,13 @@ from resource_guard.devices.catalog import (
     parse_bytes,
     parse_memory_limit,
 )
-from resource_guard.devices.detect import detect_local_devices, resolve_device
+from resource_guard.devices.detect import cpu_summary, detect_local_devices, resolve_device
 
 __all__ = [
     "DEVICE_KINDS",
     "PEAK_DTYPES",
     "Catalog",
+    "cpu_summary",
     "DeviceSpec",
     "detect_local_devices",
     "format_bytes",

@@ -33,7 +33,7 @@ import torch
 from resource_guard.devices.catalog import Catalog, DeviceSpec, load_catalog
 from resource_guard.errors import ConfigurationError
 
-__all__ = ["detect_local_devices", "resolve_device"]
+__all__ = ["CPU_ISA_FLAGS", "cpu_summary", "detect_local_devices", "resolve_device"]
 
 _log = logging.getLogger(__name__)
 
@@ -186,6 +186,30 @@ def _cpu_has_native_bf16(cpuinfo: str | None) -> bool:
         if key in ("flags", "Features"):
             flags.update(value.split())
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+#: the x86 flags that decide which of oneDNN's kernels exist (bf16/fp16 GEMM packing, bf16 LSTM)
+CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
+
+
+def cpu_summary(cpuinfo: str | None = None) -> str:
+    r"""One line naming this CPU and what decides its kernels: model, ISA flags (``-`` = absent), torch's
+    CPU capability and a ``ONEDNN_MAX_CPU_ISA`` cap if one is set. For logs and skip reasons.
+
+    Example:
+        >>> cpu_summary("model name : Some CPU\nflags : fpu avx2")  # doctest: +ELLIPSIS
+        'Some CPU; avx2 -avx512f -avx512_bf16 -avx512_fp16 -amx_bf16; torch CPU capability ...'
+    """
+    cpuinfo = _read_cpuinfo() if cpuinfo is None else cpuinfo
+    fields = list(_cpuinfo_fields(cpuinfo))
+    model = next((v for k, v in fields if k == "model name" and v), "") or platform.processor() or "CPU"
+    flags = {f for k, v in fields if k in ("flags", "Features") for f in v.split()}
+    marks = " ".join(f if f in flags else f"-{f}" for f in CPU_ISA_FLAGS)
+    line = f"{model}; {marks}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        if os.environ.get(var):
+            line += f"; {var}={os.environ[var]}"
+    return line
 
 
 def _cpu_spec(cpuinfo: str | None) -> DeviceSpec:

@@ -6,6 +6,8 @@
 - :mod:`~resource_guard.estimate.fake_world`: the model/optimizer/batch copied onto fake tensors,
   the target's optimizer code paths and attention kernel, isolated global state.
 - :mod:`~resource_guard.estimate.kernels`: real-kernel scratch (oneDNN, CPU flash attention) probes.
+- :mod:`~resource_guard.estimate.cpu_support`: what this CPU can run (tiny real probes, cached).
+- :mod:`~resource_guard.estimate.quiet`: torch's native log lines and fake-tensor logs kept off the console.
 - :mod:`~resource_guard.estimate.analytic`: the fallback when a step cannot be traced.
 - :mod:`~resource_guard.estimate.allocator`: the CUDA caching allocator, context and workspaces
   (:class:`DeviceFit`).

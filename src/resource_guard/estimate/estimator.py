@@ -23,6 +23,7 @@ from resource_guard.devices import resolve_device
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import kernels as _kernels
 from resource_guard.estimate.analytic import analytic_estimate
+from resource_guard.estimate.cpu_support import CpuKernelSupport
 from resource_guard.estimate.fake_world import (
     AS_SET,
     FOR_LOOP,
@@ -31,6 +32,7 @@ from resource_guard.estimate.fake_world import (
     isolated_global_state,
     target_forward,
 )
+from resource_guard.estimate.quiet import torch_logs_silenced
 from resource_guard.estimate.result import MemoryEstimate
 from resource_guard.estimate.target import Target
 from resource_guard.estimate.tracer import PeakRecord, StorageTracker
@@ -146,7 +148,10 @@ def _trace(
     started = time.perf_counter()
     # the forward runs as on the target: CUDA's autocast policy and attention kernels on a GPU target
     step_spec, step_loss_fn, forward = target_forward(target or Target(device_kind), spec, loss_fn)
-    tracker = StorageTracker(functools.partial(_kernels.kernel_extra, device_kind=device_kind))
+    unsupported: list[CpuKernelSupport] = []
+    tracker = StorageTracker(
+        functools.partial(_kernels.kernel_extra, device_kind=device_kind, cpu_unsupported=unsupported)
+    )
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     spans: list[tuple[str, int, int]] = []
     with fake_mode, tracker, forward:
@@ -201,6 +206,7 @@ def _trace(
         f" ({count}x)"
         for name, count in tracker.assumptions.items()
     ]
+    notes += [f"this CPU cannot run the step: {u.describe()}" for u in unsupported]
     keep = lambda ph: not ph.startswith("optimizer:") or ph == f"optimizer:{variant}"  # noqa: E731
     persistent = sum(best.breakdown[c] for c in ("parameters", "optimizer_state", "other"))
     return MemoryEstimate(
@@ -217,6 +223,7 @@ def _trace(
         persistent_bytes=persistent,
         phase_peak_bytes=phase_peaks,
         warnings=tuple(notes),
+        cpu_unsupported=tuple(u.describe() for u in unsupported),
         timeline=_downsample(tracker.timeline, keep),
         allocations=tuple(_events_for(tracker, spans, variant)),
         initial_allocations=initial,
@@ -265,7 +272,8 @@ def estimate_memory(
     target = Target.of(device, kind)
     with isolated_global_state():
         try:
-            return _trace(model, optimizer, batch, loss_fn, spec, kind, target)
+            with torch_logs_silenced():  # a failed fake kernel is reported below, not by torch's log
+                return _trace(model, optimizer, batch, loss_fn, spec, kind, target)
         except ConfigurationError:
             raise
         except Exception as exc:  # the trace could not run this model: fall back, conservatively

@@ -7,7 +7,11 @@ flash-attention kernels allocate per-thread accumulators. For these
 operators the real kernel is *probed*: run once on real zero tensors of the same shapes (one
 operator's tensors, never the model's), its allocations read from torch.profiler's memory records,
 and the answer cached by shape. Probes are skipped above ``PROBE_BUDGET_BYTES``; then a rule of thumb
-measured on the same kernels stands in (scaled by the operator's tensor bytes).
+measured on the same kernels stands in (scaled by the operator's tensor bytes). Reduced-precision
+GEMMs are probed only where this CPU runs them through oneDNN
+(:func:`~resource_guard.estimate.cpu_support.reduced_gemm_packs`; ATen's own loop allocates nothing,
+and is too slow to probe), and a CPU flash attention costing more than ``PROBE_BUDGET_FLOPS`` is
+probed at one and two heads per thread and extrapolated (its scratch is affine in the heads).
 
 These CPU kernels also stand in for the target's kernels (cuDNN keeps comparable workspaces); the
 allocator model in :mod:`resource_guard.estimate.allocator` adds what only CUDA has.
@@ -23,9 +27,15 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["KernelExtra", "kernel_extra", "PROBE_BUDGET_BYTES"]
+from resource_guard.estimate.cpu_support import CHECKED_OPS, CpuKernelSupport, cpu_can_run, reduced_gemm_packs
+from resource_guard.estimate.quiet import quiet_profile
+
+__all__ = ["KernelExtra", "PROBE_BUDGET_BYTES", "PROBE_BUDGET_FLOPS", "kernel_extra"]
 
 PROBE_BUDGET_BYTES = 512 * 2**20
+#: floating-point operations one probe may cost; a bigger CPU flash attention is probed at one and two
+#: heads per thread and extrapolated (:func:`_reduced_probe`)
+PROBE_BUDGET_FLOPS = 4 * 10**9
 _aten = torch.ops.aten
 
 
@@ -106,9 +116,7 @@ def _probe(
             for t in tree_flatten((real_args, real_kwargs))[0]
             if isinstance(t, torch.Tensor)
         }
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-        ) as prof:
+        with quiet_profile() as prof:
             out = func(*real_args, **real_kwargs)
         peak = peak_of(allocation_deltas(prof))
         outputs: list[int | None] = []
@@ -123,6 +131,54 @@ def _probe(
                 seen.add(id(st))
                 kept += int(st.nbytes())
     return KernelExtra(max(0, peak - kept), tuple(outputs))
+
+
+def _leading(func: Any, args: tuple) -> tuple[int, int, Callable[[int], tuple]] | None:
+    """``(units, flops per unit, cut)`` for the CPU flash attention, whose probe may be cut.
+
+    Once every thread has a head to work on, its scratch is affine in batch × heads (measured at
+    AVX-512 and AVX2 alike: the forward keeps a per-thread constant, the backward adds ``T·D`` bf16
+    elements per head, exactly), so probes at one and two heads per thread are extrapolated.
+    ``cut(n)`` returns ``args`` with ``B=1, H=n``. GEMMs are never cut: oneDNN's packing scratch
+    depends on the rows through its blocking, not smoothly.
+    """
+    if func not in _CPU_ONLY:
+        return None
+    tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    q, k = args[:2] if "backward" not in str(func) else args[1:3]
+    bh = tuple(q.shape[:2])
+    if any(t.dim() < 3 or tuple(t.shape[:2]) != bh for _, t in tensors):
+        return None  # a broadcast mask or grouped heads: not cut
+    per_head = 4 * int(q.shape[2]) * int(k.shape[2]) * int(q.shape[3]) * (3 if "backward" in str(func) else 1)
+    return int(bh[0] * bh[1]), per_head, lambda n: _cut(args, {i: (1, n) for i, _ in tensors})
+
+
+def _cut(args: tuple, lead: dict[int, tuple[int, ...]]) -> tuple:
+    """``args`` with the tensors at the keys of ``lead`` given those leading sizes (meta tensors with the
+    original strides, so the layout class, row- or column-major, is kept)."""
+    out = list(args)
+    with _disable_current_modes():
+        for i, sizes in lead.items():
+            t = args[i]
+            shape = (*sizes, *t.shape[len(sizes) :])
+            out[i] = torch.empty_strided(shape, t.stride(), dtype=t.dtype, device="meta")
+    return tuple(out)
+
+
+def _reduced_probe(
+    func: Any, args: tuple, kwargs: dict, size_of: Callable[[torch.Tensor], int | None]
+) -> KernelExtra:
+    """The probe of ``func``; one costing more than :data:`PROBE_BUDGET_FLOPS` is run at one and two
+    units per thread and extrapolated where :func:`_leading` allows it (output sizes: the fake's)."""
+    lead = _leading(func, args)
+    threads = max(1, torch.get_num_threads())
+    if lead is None or lead[0] * lead[1] <= PROBE_BUDGET_FLOPS or lead[0] <= 2 * threads:
+        return _probe(func, args, kwargs, size_of)
+    units, _, cut = lead
+    # below one unit per thread the per-thread buffers are not all taken: cut to `threads` and twice that
+    one = _probe(func, cut(threads), kwargs, size_of).scratch_bytes
+    two = _probe(func, cut(2 * threads), kwargs, size_of).scratch_bytes
+    return KernelExtra(two + max(0, two - one) * (units - 2 * threads) // threads)
 
 
 def _blas_copy_bytes(func: Any, args: tuple) -> int:
@@ -152,20 +208,24 @@ def kernel_extra(
     size_of: Callable[[torch.Tensor], int | None],
     *,
     device_kind: str = "cpu",
+    cpu_unsupported: list[CpuKernelSupport] | None = None,
 ) -> KernelExtra | None:
     """Scratch and true output sizes of the real kernel of ``func``, or ``None`` if it has none.
 
     ``size_of`` tells the tracked storage size of an input (workspaces whose fake is empty).
     ``device_kind`` is the target's: the CPU-only kernels (oneDNN's reduced-precision GEMMs, which
-    pack their operands into scratch, and the CPU flash attention) are probed only for CPU targets;
-    on CUDA, cuBLAS works in its workspace (see :mod:`resource_guard.estimate.allocator`).
+    pack their operands into scratch where this CPU lets oneDNN run them, and the CPU flash attention)
+    are probed only for CPU targets; on CUDA, cuBLAS works in its workspace (see
+    :mod:`resource_guard.estimate.allocator`). For a CPU target, an operator this CPU has no kernel
+    for (:func:`~resource_guard.estimate.cpu_support.cpu_can_run`) is appended to ``cpu_unsupported``.
     """
     cpu = device_kind == "cpu"
+    if cpu and cpu_unsupported is not None:
+        _check_cpu_kernel(func, args, cpu_unsupported)
     if func in _MATMULS:
         copied = _blas_copy_bytes(func, args)
-        reduced = cpu and any(
-            isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) for t in args[:3]
-        )
+        dtype = next((t.dtype for t in args[:3] if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+        reduced = cpu and dtype in (torch.bfloat16, torch.float16) and reduced_gemm_packs(dtype)
         if not reduced:
             return KernelExtra(copied) if copied else None
         extra = _probe_or_rule(func, args, kwargs, out, size_of, _REDUCED_GEMM_FACTOR)
@@ -176,6 +236,18 @@ def kernel_extra(
     if factor is None:
         return None
     return _probe_or_rule(func, args, kwargs, out, size_of, factor)
+
+
+def _check_cpu_kernel(func: Any, args: tuple, found: list[CpuKernelSupport]) -> None:
+    name = str(func).rsplit(".", 1)[0]  # aten.mkldnn_rnn_layer.default -> aten.mkldnn_rnn_layer
+    if name not in CHECKED_OPS:
+        return
+    dtype = next((t.dtype for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), None)
+    if dtype is None:
+        return
+    support = cpu_can_run(name, dtype)
+    if not support.runs and support not in found:
+        found.append(support)
 
 
 def _probe_or_rule(
@@ -191,11 +263,11 @@ def _probe_or_rule(
     largest = max((_bytes_of(t) for t in tensors), default=0)
     if sum(_bytes_of(t) for t in tensors) * 2 > PROBE_BUDGET_BYTES:
         return KernelExtra(int(largest * factor))
-    key = (_signature(func, args, kwargs), tuple(size_of(t) for t in tensors))
+    key = (_signature(func, args, kwargs), tuple(size_of(t) for t in tensors), torch.get_num_threads())
     found = _CACHE.get(key)
     if found is None:
         try:
-            found = _probe(func, args, kwargs, size_of)
+            found = _reduced_probe(func, args, kwargs, size_of)
         except Exception:  # a probe is a refinement; without it the rule of thumb stands
             found = KernelExtra(int(largest * factor))
         _CACHE[key] = found

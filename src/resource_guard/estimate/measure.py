@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from resource_guard.estimate.quiet import quiet_profile
 from resource_guard.step.precision import parse_precision
 from resource_guard.step.training import LossFn, iter_tensors, training_step
 
@@ -104,8 +105,7 @@ def measure_training_step(
         training_step(model, optimizer, batch, loss_fn, spec, "cpu", loss_scale=scale)
     gc.collect()
     start = live_bytes(model, optimizer, batch)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+    with quiet_profile() as prof:
         training_step(model, optimizer, batch, loss_fn, spec, "cpu", loss_scale=scale)
     deltas = allocation_deltas(prof)
     peak = peak_of(deltas)

@@ -37,6 +37,9 @@ class MemoryEstimate:
         trace_seconds: time the estimate took.
         assumed_target: the device behaviour the step was traced as, stated in every summary:
             ``"as on cuda sm80 (a100-40gb), bf16-mixed, autocast policy: cuda, attention: flash×24"``.
+        cpu_unsupported: for a CPU target, the step's operators this machine's CPU has no kernel for
+            (e.g. ``"aten.mkldnn_rnn_layer in bf16 (oneDNN's bf16 LSTM needs AVX-512; …)"``): a real
+            step here would fail; ``warnings`` says so too. Empty when the CPU runs the step.
     """
 
     peak_bytes: int
@@ -57,6 +60,7 @@ class MemoryEstimate:
     initial_allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     trace_seconds: float = 0.0
     assumed_target: str = ""
+    cpu_unsupported: tuple[str, ...] = ()
 
     def for_device(
         self, device: str | DeviceSpec = "auto", *, headroom: float = 0.1, catalog: Any = None
@@ -92,4 +96,5 @@ class MemoryEstimate:
             "warnings": list(self.warnings),
             "trace_seconds": round(self.trace_seconds, 3),
             "assumed_target": self.assumed_target,
+            "cpu_unsupported": list(self.cpu_unsupported),
         }
