@@ -172,7 +172,7 @@ def test_factory_file_target_and_batch_size_reach_the_estimate(
     estimate, fit = payload["estimate"], payload["fit"]
     assert payload["target"] == target
     assert estimate["batch_size"] == 7  # the factories default to 4
-    assert estimate["method"] == "trace" and estimate["warnings"] == []  # loss_fn was used, not dropped
+    assert estimate["method"] == "traced" and estimate["warnings"] == []  # loss_fn was used, not dropped
     assert estimate["parameter_count"] == 8 * 16 + 16 + 16 * 3 + 3
     assert estimate["peak_bytes"] > 0 and estimate["device_kind"] == "cuda"
     assert (fit["device"], fit["fits"]) == ("a100-40gb", True)

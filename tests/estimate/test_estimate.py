@@ -28,7 +28,7 @@ def _rel_error(estimate: int, truth: int) -> float:
 def _check_against_truth(build, precision: str = "32-true", tolerance: float = 0.01) -> None:
     model, opt, batch, loss_fn = build()
     est = estimate_memory(model, opt, batch, loss_fn, precision=precision, device="cpu")
-    assert est.method == "trace", est.warnings
+    assert est.method == "traced", est.warnings
     model, opt, batch, loss_fn = build()
     truth = measure_training_step(model, opt, batch, loss_fn, precision=precision)
     assert abs(_rel_error(est.peak_bytes, truth.peak_bytes)) <= tolerance, (est.peak_bytes, truth.peak_bytes)
@@ -241,7 +241,7 @@ def _data_dependent():
 def test_batch_dependent_values_are_computed_not_assumed():
     model, opt, batch, _ = _data_dependent()
     est = estimate_memory(model, opt, batch)
-    assert est.method == "trace"
+    assert est.method == "traced"
     assert est.warnings == ()
     _check_against_truth(_data_dependent)
 
@@ -261,7 +261,7 @@ class _ParamDependent(nn.Module):
 def test_parameter_dependent_item_is_assumed_and_reported():
     model = _ParamDependent()
     est = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 16))
-    assert est.method == "trace"
+    assert est.method == "traced"
     assert any("_local_scalar_dense" in w for w in est.warnings)
 
 

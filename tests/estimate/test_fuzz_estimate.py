@@ -211,5 +211,5 @@ def test_lstm_16_mixed_is_estimated_though_the_cpu_cannot_run_it() -> None:
     """Found by the fuzzer: the reference step raises in oneDNN; the estimate must still be made."""
     case = Case("lstm", (1, 1), batch_size=1, precision="16-mixed", optimizer="sgd", extent=1)
     est, _ = compare(case)
-    assert est.method == "trace"
+    assert est.method == "traced"
     assert est.peak_bytes >= est.breakdown["parameters"] + est.breakdown["gradients"] > 0

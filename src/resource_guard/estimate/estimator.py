@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from resource_guard.devices import resolve_device
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
@@ -31,7 +30,9 @@ from resource_guard.estimate.fake_world import (
     fused_attention,
     isolated_global_state,
 )
-from resource_guard.estimate.result import MemoryEstimate
+from resource_guard.estimate.recovery import fake_mode as _fake_mode
+from resource_guard.estimate.recovery import fake_numpy
+from resource_guard.estimate.result import ANALYTIC, TRACED, TRACED_RECOVERED, MemoryEstimate
 from resource_guard.estimate.tracer import PeakRecord, StorageTracker
 from resource_guard.step.precision import PrecisionSpec, parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of, iter_tensors, training_step
@@ -143,10 +144,10 @@ def _trace(
 ) -> MemoryEstimate:
     started = time.perf_counter()
     tracker = StorageTracker(functools.partial(_kernels.kernel_extra, device_kind=device_kind))
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = _fake_mode()
     spans: list[tuple[str, int, int]] = []
     fused = fused_attention() if device_kind in ("cuda", "rocm") else contextlib.nullcontext()
-    with fused, fake_mode, tracker:
+    with fused, fake_numpy(tracker.recovery), fake_mode, tracker:
         world = FakeStep(model, optimizer, batch, spec, tracker)
         world.warm_up_optimizer()
         for st in world.optimizer.state.values():
@@ -192,18 +193,14 @@ def _trace(
     variant = AS_SET if AS_SET in variants else (FOREACH if device_kind in ("cuda", "rocm") else FOR_LOOP)
     best, phase_peaks = _select(tracker, variant)
     params = {id(p): p for p in model.parameters()}.values()
-    notes = [
-        f"`{name}` depends on tensor values; assumed "
-        f"{'every element' if name != '_local_scalar_dense' else '0'}"
-        f" ({count}x)"
-        for name, count in tracker.assumptions.items()
-    ]
+    recovered = tracker.recovery.summary()
+    notes = [f"recovered {line}" for line in recovered]
     keep = lambda ph: not ph.startswith("optimizer:") or ph == f"optimizer:{variant}"  # noqa: E731
     persistent = sum(best.breakdown[c] for c in ("parameters", "optimizer_state", "other"))
     return MemoryEstimate(
         peak_bytes=best.bytes,
         breakdown=best.breakdown,
-        method="trace",
+        method=TRACED if not recovered else TRACED_RECOVERED,
         precision=spec.name,
         device_kind=device_kind,
         peak_phase=_phase_of(best.phase),
@@ -218,6 +215,7 @@ def _trace(
         allocations=tuple(_events_for(tracker, spans, variant)),
         initial_allocations=initial,
         trace_seconds=time.perf_counter() - started,
+        recovered_ops=recovered,
     )
 
 
