@@ -126,7 +126,8 @@ class Recovery:
     Args:
         shadows: fake tensor -> real value (weak keys), shared with the tracker: read for inputs,
             written for outputs computed exactly.
-        budget_bytes: the most real memory a ``real`` recovery may allocate for its inputs.
+        budget_bytes: the most real memory a ``real`` recovery may allocate for its inputs
+            (default :data:`REAL_BUDGET_BYTES`, read when the recovery is made).
 
     Example:
         >>> rec = Recovery()
@@ -138,9 +139,9 @@ class Recovery:
         ((6, 3), ('`_grouped_mm`: a corrected fake rule (1x)',))
     """
 
-    def __init__(self, shadows: MutableMapping | None = None, budget_bytes: int = REAL_BUDGET_BYTES) -> None:
+    def __init__(self, shadows: MutableMapping | None = None, budget_bytes: int | None = None) -> None:
         self.shadows: MutableMapping = WeakTensorKeyDictionary() if shadows is None else shadows
-        self.budget_bytes = budget_bytes
+        self.budget_bytes = REAL_BUDGET_BYTES if budget_bytes is None else budget_bytes
         self.counts: Counter[tuple[str, str]] = Counter()  # (op, how) -> times; `how` a key of _HOW
         self._checks = WeakTensorKeyDictionary()  # outputs of all/any: a bool read from them is a check
 
