@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from resource_guard import ConfigurationError, ResourceGuardWarning
-from resource_guard.estimate import CATEGORIES, estimate_memory, measure_training_step
-from resource_guard.estimate import recovery
+from resource_guard.estimate import CATEGORIES, estimate_memory, measure_training_step, recovery
 
 F32 = 4
 

@@ -9,6 +9,7 @@ by category. The caller's model, optimizer, batch and RNG state are left untouch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import warnings
@@ -32,12 +33,12 @@ from resource_guard.estimate.fake_world import (
 )
 from resource_guard.estimate.recovery import fake_mode as _fake_mode
 from resource_guard.estimate.recovery import fake_numpy
-from resource_guard.estimate.result import ANALYTIC, TRACED, TRACED_RECOVERED, MemoryEstimate
+from resource_guard.estimate.result import TRACED, TRACED_RECOVERED, MemoryEstimate
 from resource_guard.estimate.tracer import PeakRecord, StorageTracker
 from resource_guard.step.precision import PrecisionSpec, parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of, iter_tensors, training_step
 
-__all__ = ["estimate_memory"]
+__all__ = ["estimate_memory", "unwrap_model"]
 
 _TIMELINE_POINTS = 2000
 
@@ -253,20 +254,54 @@ def estimate_memory(
         >>> est.breakdown["optimizer_state"] >= 2 * est.breakdown["parameters"]
         True
     """
+    model, unwrapped = unwrap_model(model)
     _check_inputs(model, optimizer, batch, loss_fn)
     spec = parse_precision(precision)
     kind = _device_kind(device) if device is not None else _default_kind(model)
     with isolated_global_state():
         try:
-            return _trace(model, optimizer, batch, loss_fn, spec, kind)
+            est = _trace(model, optimizer, batch, loss_fn, spec, kind)
         except ConfigurationError:
             raise
-        except Exception as exc:  # the trace could not run this model: fall back, conservatively
-            reason = (
-                f"tracing failed ({type(exc).__name__}: {_first_line(exc)}); analytic estimate, conservative"
+        except Exception as exc:  # the step cannot continue past an operator: fall back, as an upper bound
+            reason = f"tracing failed ({type(exc).__name__}: {_first_line(exc)})"
+            warnings.warn(f"{reason}; analytic upper bound", ResourceGuardWarning, stacklevel=2)
+            est = analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
+    return dataclasses.replace(est, warnings=unwrapped + est.warnings) if unwrapped else est
+
+
+def unwrap_model(model: Any) -> tuple[Any, tuple[str, ...]]:
+    """The module whose eager training step is estimated, and a note per wrapper taken off.
+
+    ``torch.compile(model)`` (an ``OptimizedModule``) runs the same tensors as the eager step of the
+    module it compiled, less what the compiler fuses away: the eager step is an upper bound, and is
+    what is traced. DDP's wrapper adds gradient buckets that belong to the strategy (``plan``'s
+    ``strategy="ddp"`` accounts for them per rank); the local module's step is traced. FSDP2
+    (``fully_shard``) replaces parameters by sharded DTensors, which cannot be copied onto fake
+    tensors: refused with what to pass instead.
+    """
+    notes: list[str] = []
+    while True:
+        name = type(model).__name__
+        if isinstance(model, nn.Module) and name == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+            notes.append(
+                "torch.compile'd model: estimated the eager step of the compiled module (an upper bound)"
             )
-            warnings.warn(reason, ResourceGuardWarning, stacklevel=2)
-            return analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+            notes.append(
+                "DDP-wrapped model: estimated the local module's step; DDP's gradient buckets are "
+                "accounted by plan(strategy='ddp')"
+            )
+        else:
+            break
+    if isinstance(model, nn.Module) and any(type(m).__name__.startswith("FSDP") for m in model.modules()):
+        raise ConfigurationError(
+            f"`estimate_memory(model=...)`: {type(model).__name__} is sharded by FSDP (`fully_shard`); pass "
+            "the module before sharding and plan(strategy='fsdp', world_size=N) for the per-rank memory."
+        )
+    return model, tuple(notes)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -162,12 +162,13 @@ def isolated_global_state() -> Iterator[None]:
     """Trace in a training step's global state and give the caller back exactly the state it had.
 
     A step needs autograd and sets its own autocast (``precision``), so the caller's ``no_grad``,
-    ``inference_mode``, CPU autocast and anomaly detection are switched off inside. The CPU RNG (never the CUDA one: that
-    would initialise CUDA), Python's and numpy's RNG, the default dtype, the deterministic-algorithms
-    and anomaly flags and the thread count are restored afterwards, also when the user's code changed
-    them or raised halfway. Called inside the caller's own autocast region, the step's autocast is a
-    nested region, whose cache of low-precision weight copies PyTorch only frees when the outermost
-    region ends: the estimate then keeps those copies to the end of the step (conservative).
+    ``inference_mode``, CPU autocast and anomaly detection are switched off inside. The CPU RNG
+    (never the CUDA one: that would initialise CUDA), Python's and numpy's RNG, the default dtype,
+    the deterministic-algorithms and anomaly flags and the thread count are restored afterwards, also
+    when the user's code changed them or raised halfway. Called inside the caller's own autocast
+    region, the step's autocast is a nested region, whose cache of low-precision weight copies PyTorch
+    only frees when the outermost region ends: the estimate then keeps those copies to the end of the
+    step (conservative).
     """
     numpy = sys.modules.get("numpy")
     # autocast off by flag, not by a nested `torch.autocast(enabled=False)`: that would make the step's

@@ -133,8 +133,8 @@ class Recovery:
         >>> rec = Recovery()
         >>> with fake_mode():
         ...     a, b = torch.empty(6, 4), torch.empty(2, 4, 3)
-        ...     out = rec.recover(torch.ops.aten._grouped_mm.default, (a, b, torch.empty(2, dtype=torch.int32)),
-        ...                       {}, RuntimeError("Expected inputs of BF16 type"))
+        ...     offs = torch.empty(2, dtype=torch.int32)
+        ...     out = rec.recover(torch.ops.aten._grouped_mm.default, (a, b, offs), {}, RuntimeError("bf16"))
         >>> tuple(out.shape), rec.summary()
         ((6, 3), ('`_grouped_mm`: a corrected fake rule (1x)',))
     """
@@ -152,7 +152,7 @@ class Recovery:
         return all(how in EXACT for _, how in self.counts)
 
     def summary(self) -> tuple[str, ...]:
-        """One line per (operator, way) that was not exact, e.g. ``"`_grouped_mm`: a corrected fake rule (12x)"``."""
+        """One line per operator and inexact way, as ``"`_grouped_mm`: a corrected fake rule (12x)"``."""
         return tuple(
             f"`{op}`: {_HOW[how]} ({n}x)" for (op, how), n in sorted(self.counts.items()) if how not in EXACT
         )
@@ -266,7 +266,7 @@ def fake_numpy(recovery: Recovery) -> Iterator[None]:
             recovery.counts[("Tensor.numpy", "assumed")] += 1
             return original(torch.zeros(self.shape, dtype=self.dtype))
 
-    torch.Tensor.numpy = numpy  # type: ignore[method-assign]
+    torch.Tensor.numpy = numpy  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

@@ -73,7 +73,7 @@ class MemoryEstimate:
 
     @property
     def traced(self) -> bool:
-        """True when the step was traced (``"traced"`` or ``"traced-recovered"``), not counted analytically."""
+        """True when the step was traced (``"traced"`` or ``"traced-recovered"``), not counted."""
         return self.method in (TRACED, TRACED_RECOVERED)
 
     @property
