@@ -120,8 +120,9 @@ def _print_report(target: str, estimate: Any, fit: Any, others: list[Any], headr
     out(
         f"  model {count:.1f}M parameters ({estimate.trainable_parameter_count / 1e6:.1f}M trainable), "
         f"batch {estimate.batch_size if estimate.batch_size is not None else '?'}, {estimate.precision}, "
-        f"method {estimate.method}, {estimate.trace_seconds:.1f} s"
+        f"{estimate.trace_seconds:.1f} s"
     )
+    out(f"  {estimate.method_line}")
     where = f"{estimate.peak_phase}, {estimate.peak_op}" if estimate.peak_phase else "analytic"
     out(f"\none training step, live tensor memory at the peak ({where}):")
     for name, value in estimate.breakdown.items():

@@ -115,8 +115,10 @@ def _ctc_loss(rec: Recovery, args: tuple, kwargs: dict) -> tuple[torch.Tensor, t
 
 @_rule("_ctc_loss_backward.default", "_ctc_loss_backward.Tensor")
 def _ctc_loss_backward(rec: Recovery, args: tuple, kwargs: dict) -> torch.Tensor:
-    """The gradient has ``log_probs``' shape and dtype."""
-    log_probs = args[1]
+    """The gradient has ``log_probs``' shape and dtype; ``log_beta``, as large as ``log_alpha``, is scratch
+    (``ctc_loss_backward_cpu_template`` and its CUDA twin allocate it and free it inside the operator)."""
+    log_probs, log_alpha = args[1], args[6]
+    rec.scratch_bytes += log_alpha.numel() * log_alpha.element_size()
     return torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
 
 
@@ -143,6 +145,7 @@ class Recovery:
         self.shadows: MutableMapping = WeakTensorKeyDictionary() if shadows is None else shadows
         self.budget_bytes = REAL_BUDGET_BYTES if budget_bytes is None else budget_bytes
         self.counts: Counter[tuple[str, str]] = Counter()  # (op, how) -> times; `how` a key of _HOW
+        self.scratch_bytes = 0  # the last recovered operator's internal scratch, for the tracker to take
         self._checks = WeakTensorKeyDictionary()  # outputs of all/any: a bool read from them is a check
 
     # -- what happened ---------------------------------------------------------------------------
@@ -156,6 +159,11 @@ class Recovery:
         return tuple(
             f"`{op}`: {_HOW[how]} ({n}x)" for (op, how), n in sorted(self.counts.items()) if how not in EXACT
         )
+
+    def take_scratch(self) -> int:
+        """The scratch bytes a rule declared for the operator just recovered (then zero)."""
+        scratch, self.scratch_bytes = self.scratch_bytes, 0
+        return scratch
 
     def observe(self, func: Any, out: Any) -> None:
         """Call after every operator: remembers the bools that ``all``/``any`` made."""
@@ -172,6 +180,7 @@ class Recovery:
         Call with the ``FakeTensorMode`` active (outputs made with ``torch.empty`` are fake).
         """
         name = str(func.overloadpacket.__name__)
+        self.scratch_bytes = 0
         rule = FAKE_RULES.get(func)
         if rule is not None:
             self.counts[(name, "rule")] += 1

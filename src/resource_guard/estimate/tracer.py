@@ -300,7 +300,7 @@ class StorageTracker(TorchDispatchMode):
             for t in _written_args(func, args, kwargs):
                 self._resized(t)
         self.op_count += 1
-        scratch = extra.scratch_bytes if extra is not None else 0
+        scratch = (extra.scratch_bytes if extra is not None else 0) + self.recovery.take_scratch()
         if scratch and self.recording:
             uid = next(self._uids)
             self.events.append((uid, scratch))

@@ -68,6 +68,7 @@ from resource_guard.devices import (
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import DeviceFit, MemoryEstimate
 from resource_guard.estimate.estimator import _check_inputs
+from resource_guard.estimate.result import ANALYTIC
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.planning.nofit import NoFitReport, batch_reasons, no_fit_error
 from resource_guard.planning.search import (
@@ -262,6 +263,7 @@ def plan(
     strategy: str = "auto",
     memory_limit: int | str | None = None,
     catalog: Catalog | str | os.PathLike[str] | None = None,
+    allow_rough: bool = False,
 ) -> Plan:
     """Choose the fastest training configuration that fits (rules in the module docstring).
 
@@ -279,6 +281,8 @@ def plan(
         memory_limit: plan as if the device had only this much memory (bytes or ``"6GiB"``).
         catalog: the device catalog, or the path of a catalog file merged over the bundled one
             (default: the bundled catalog).
+        allow_rough: plan on an analytic estimate (a bound from shapes, when the step cannot be
+            traced); by default such a plan is refused, with the reason.
 
     Returns:
         A :class:`Plan`.
@@ -310,10 +314,17 @@ def plan(
     if not found:
         raise no_fit_error(tracer, spec, catalog, headroom, rows, units)
     best = _cheapest(found, per_rank)
+    if best.estimate.method == ANALYTIC and not allow_rough:
+        why = best.estimate.warnings[0] if best.estimate.warnings else "the step could not be traced"
+        raise ConfigurationError(
+            f"`plan(...)` will not choose a configuration from an analytic estimate ({why}): it is an upper "
+            "bound from shapes, not a trace. Pass `allow_rough=True` to plan on it anyway, or make the step "
+            "traceable (see the reason)."
+        )
 
     reasons += batch_reasons(best, found, per_rank, target, world_size, tracer)
     reasons += [f"{m} (estimate warning)" for m in noted]
-    reasons.append(f"{tracer.count} estimate traces, no real step")
+    reasons.append(f"{tracer.count} estimate traces, no real step; estimate {best.estimate.method_line}")
     return Plan(
         device=spec,
         precision=precision,
