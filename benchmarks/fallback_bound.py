@@ -59,7 +59,8 @@ def forced_fallback(name: str, build: Callable[[], Any]) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
     parser.add_argument("--only", default=None, help="run only cases whose name contains SUBSTRING")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")

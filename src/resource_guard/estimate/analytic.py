@@ -186,7 +186,8 @@ def analytic_estimate(
     largest = max((size(p) for p in trainable), default=0)
     states = max(1, round(state_bytes / trainable_bytes)) if trainable_bytes else 1
     temporaries = states * trainable_bytes if device_kind in ("cuda", "rocm") else 2 * largest
-    known = param_bytes + buffer_bytes + trainable_bytes + state_bytes + input_bytes + activations + temporaries
+    known = param_bytes + buffer_bytes + trainable_bytes + state_bytes + input_bytes
+    known += activations + temporaries
     temporaries += int(known * MARGIN) + _SLACK_BYTES
     breakdown = dict.fromkeys(CATEGORIES, 0)
     breakdown.update(
