@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from resource_guard.estimate.recovery import fake_mode
 from resource_guard.estimate.result import ANALYTIC, MemoryEstimate
 from resource_guard.estimate.tracer import CATEGORIES, StorageTracker
 from resource_guard.step.precision import PrecisionSpec
@@ -65,9 +65,10 @@ def _optimizer_state_bytes(model: nn.Module, optimizer: Any, spec: PrecisionSpec
     """Bytes of the optimizer's state after one step on fake parameters; ``None`` if that cannot run."""
     from resource_guard.estimate.fake_world import FakeStep  # fake_world imports the tracer, as we do
 
+    tracker = StorageTracker(record_timeline=False)  # as a mode: it recovers what fake kernels refuse
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            world = FakeStep(model, optimizer, (), spec, StorageTracker(record_timeline=False))
+        with fake_mode(), tracker:
+            world = FakeStep(model, optimizer, (), spec, tracker)
             world.warm_up_optimizer()
             storages = {
                 id(v.untyped_storage()): v.untyped_storage().nbytes()
