@@ -207,3 +207,21 @@ def test_a_compiled_model_is_estimated_as_its_eager_step_and_says_so():
     )
     assert compiled.peak_bytes == eager.peak_bytes and compiled.method == TRACED
     assert any("torch.compile" in w and "eager step" in w for w in compiled.warnings)
+
+
+def test_a_ddp_wrapped_model_is_estimated_as_its_local_module(tmp_path):
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+        batch = torch.randn(16, 32)
+        plain = estimate_memory(model, torch.optim.AdamW, batch, lambda m, b: m(b).mean(), device="cpu")
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        est = estimate_memory(wrapped, torch.optim.AdamW, batch, lambda m, b: m(b).mean(), device="cpu")
+    finally:
+        dist.destroy_process_group()
+    assert est.peak_bytes == plain.peak_bytes
+    assert any("DDP-wrapped" in w for w in est.warnings)

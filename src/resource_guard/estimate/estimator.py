@@ -296,7 +296,10 @@ def unwrap_model(model: Any) -> tuple[Any, tuple[str, ...]]:
             )
         else:
             break
-    if isinstance(model, nn.Module) and any(type(m).__name__.startswith("FSDP") for m in model.modules()):
+    if isinstance(model, nn.Module) and any(
+        type(m).__name__.startswith("FSDP") or type(m).__name__ == "FullyShardedDataParallel"
+        for m in model.modules()
+    ):
         raise ConfigurationError(
             f"`estimate_memory(model=...)`: {type(model).__name__} is sharded by FSDP (`fully_shard`); pass "
             "the module before sharding and plan(strategy='fsdp', world_size=N) for the per-rank memory."
