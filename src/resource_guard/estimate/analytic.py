@@ -7,12 +7,15 @@ What it counts, and how sure each part is:
   tensors, as the trace does); if even that fails, parameter-sized tensors per parameter by the
   optimizer's type (:func:`optimizer_states_per_param`);
 - activations: a bound, not a measurement. Every leaf module is taken to keep ``ACTIVATION_FACTOR``
-  tensors as large as its output (its own width where it has one, else the model's widest) for
-  every position of the batch, which the stride of convolutions and pooling only makes smaller;
-  attention modules add their ``batch x heads x seq x seq`` scores (three copies: scores,
-  probabilities, dropout mask), and the loss its logits (float32 log-probabilities and their gradient).
+  tensors as large as its output (its own width where it has one, else that of the leaf before it,
+  whose output it usually takes) for every position of the batch, which the stride of convolutions
+  and pooling only makes smaller; attention modules add their ``batch x heads x seq x seq`` scores
+  (three copies: scores, probabilities, dropout mask), and the loss its logits (float32
+  log-probabilities and their gradient).
   Functional code that creates tensors larger than any module's output (a custom op on an expanded
   tensor) is outside what it can see;
+- kernel scratch: on a CPU target, :data:`CPU_CONV_SCRATCH_BYTES` where there are depthwise
+  (grouped) convolutions;
 - temporaries: the optimizer's own (a parameter-sized tensor per state on a foreach target, two of the
   largest parameter otherwise), plus :data:`MARGIN` of everything.
 
@@ -35,13 +38,24 @@ from resource_guard.estimate.tracer import CATEGORIES, StorageTracker
 from resource_guard.step.precision import PrecisionSpec
 from resource_guard.step.training import batch_size_of, iter_tensors
 
-__all__ = ["ACTIVATION_FACTOR", "MARGIN", "analytic_estimate", "optimizer_states_per_param"]
+__all__ = [
+    "ACTIVATION_FACTOR",
+    "CPU_CONV_SCRATCH_BYTES",
+    "MARGIN",
+    "analytic_estimate",
+    "optimizer_states_per_param",
+]
 
-ACTIVATION_FACTOR = 3  # tensors kept per leaf output: the output, what backward saves, its gradient
+ACTIVATION_FACTOR = 2  # tensors kept per leaf output: the output and what backward saves (or its gradient)
 MARGIN = 0.25  # on top of everything: what the count cannot see
 _SLACK_BYTES = 64 * 2**10
 _TWO_STATES = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Lamb", "LAMB", "Adafactor")
-_WIDTH_ATTRS = ("out_features", "out_channels", "embedding_dim", "hidden_size", "normalized_shape")
+_WIDTH_ATTRS = ("out_features", "out_channels", "embedding_dim", "nf", "hidden_size", "normalized_shape")
+_STRIDED = (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd)
+CPU_CONV_SCRATCH_BYTES = 3 * 2**20
+"""CPU targets: oneDNN's grouped (depthwise) convolution-backward scratch, which no module output
+shows (measured up to 2.4 MiB on a tiny ConvNeXt in bf16; it depends on the host's threads and ISA,
+so an allowance)."""
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 
 
@@ -106,50 +120,78 @@ def _heads(m: nn.Module) -> int | None:
     return None
 
 
-def _positions(batch: Any, model: nn.Module) -> tuple[int, int]:
-    """``(positions, sequence length)`` of the batch: the most any layer can see.
+def _inputs(batch: Any, model: nn.Module) -> tuple[int | None, int | None]:
+    """``(token positions, signal positions)`` of the batch.
 
-    Token ids count one position each; images ``(B, C, H, W)`` count ``B*H*W``; ``(B, S, D)`` features
-    count ``B * max(S, D)``; a 2-D float batch counts every value into a model with ``Conv1d`` layers
-    (a raw waveform), else one position per row.
+    Tokens: integer ids (one position each), ``(B, S, D)`` features (``B*S``), ``(B, F)`` rows (``B``).
+    Signals, which a model's first convolution takes: images ``(B, C, H, W)`` (``B*H*W``), a ``(B, C, L)``
+    or a raw ``(B, L)`` waveform into a model with ``Conv1d`` layers (``B*L``).
     """
-    has_conv1d = any(isinstance(m, nn.Conv1d) for m in model.modules())
-    positions, seq = 1, 1
+    conv1d = any(isinstance(m, nn.Conv1d) for m in model.modules())
+    tokens: int | None = None
+    signal: int | None = None
     for t in iter_tensors(batch):
         if t.dim() == 0:
             continue
         if not t.is_floating_point():
-            n, s = t.numel(), (t.shape[-1] if t.dim() > 1 else 1)
+            tokens = max(tokens or 0, t.numel())
         elif t.dim() >= 4:
-            n = t.numel() // t.shape[1]
-            s = n // t.shape[0]
-        elif t.dim() == 3:
-            s = max(t.shape[1], t.shape[2])
-            n = t.shape[0] * s
-        elif t.dim() == 2 and has_conv1d:
-            n, s = t.numel(), t.shape[1]
+            signal = max(signal or 0, t.numel() // t.shape[1])
+        elif conv1d and t.dim() in (2, 3):
+            signal = max(signal or 0, t.shape[0] * t.shape[-1])
         else:
-            n, s = t.shape[0], 1
-        positions, seq = max(positions, n), max(seq, s)
-    return positions, seq
+            tokens = max(tokens or 0, t.numel() // t.shape[-1] if t.dim() == 3 else t.shape[0])
+    return tokens, signal
+
+
+def _stride(m: nn.Module) -> float:
+    """How much ``m`` shrinks (> 1) or grows (< 1) the positions it is given."""
+    stride = getattr(m, "stride", None)
+    if not isinstance(m, _STRIDED):
+        return 1.0
+    factor = float(math.prod(stride)) if isinstance(stride, tuple) else float(stride or 1)
+    return 1.0 / factor if isinstance(m, nn.modules.conv._ConvTransposeNd) else factor
+
+
+def _leaf_width(m: nn.Module) -> int | None:
+    """Elements per position a leaf keeps: its output width, times the gates and directions of an RNN."""
+    width = _width(m)
+    if isinstance(m, nn.RNNBase) and width is not None:
+        gates = {"LSTM": 4, "GRU": 3}.get(m.mode, 1)
+        width *= gates * (2 if m.bidirectional else 1) * m.num_layers
+    return width
 
 
 def _activation_bound(model: nn.Module, batch: Any, spec: PrecisionSpec) -> int:
-    positions, seq = _positions(batch, model)
+    tokens, signal = _inputs(batch, model)
     batch_size = batch_size_of(batch) or 1
-    widths = [w for m in model.modules() if (w := _width(m)) is not None]
-    widest = max(widths, default=1)
+    widest = max((w for m in model.modules() if (w := _width(m)) is not None), default=1)
     compute = spec.compute_dtype.itemsize
-    total = 0
-    for m in model.modules():
-        if next(m.children(), None) is None:  # a leaf
-            total += ACTIVATION_FACTOR * positions * (_width(m) or widest) * compute
+    positions = float(tokens or signal or batch_size)  # what the module being visited sees
+    most = positions
+    total, last = 0.0, None
+    for m in model.modules():  # in definition order, parents before their children
         heads = _heads(m)
         if heads:
+            seq = positions / batch_size
             total += 3 * batch_size * heads * seq * seq * max(compute, 4)
+        state = getattr(m, "ssm_state_size", None)
+        inner = getattr(m, "intermediate_size", None)
+        if isinstance(state, int) and isinstance(inner, int):  # a state-space scan: a state per position
+            total += ACTIVATION_FACTOR * positions * inner * state * max(compute, 4)
+        if next(m.children(), None) is not None:
+            continue
+        shrink = _stride(m)
+        if shrink != 1.0:  # a convolution or pooling: the first one takes the signal, if any
+            source = signal if signal is not None else positions
+            signal = None
+            positions = max(1.0, source / shrink)
+        last = _leaf_width(m) or last
+        total += ACTIVATION_FACTOR * positions * (last or widest) * compute
+        most = max(most, positions)
     # the loss: float32 log-probabilities over the widest output, and their gradient
-    total += 2 * positions * widest * 4
-    return total
+    total += 2 * most * widest * 4
+    return int(total)
 
 
 def analytic_estimate(
@@ -184,6 +226,9 @@ def analytic_estimate(
     activations = _activation_bound(model, batch, spec)
     if spec.autocast_dtype is not None:
         activations += trainable_bytes // 2  # autocast's low-precision copies of the weights
+    grouped = (m for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups > 1)
+    if device_kind == "cpu" and next(grouped, None) is not None:
+        activations += CPU_CONV_SCRATCH_BYTES
     largest = max((size(p) for p in trainable), default=0)
     states = max(1, round(state_bytes / trainable_bytes)) if trainable_bytes else 1
     temporaries = states * trainable_bytes if device_kind in ("cuda", "rocm") else 2 * largest
