@@ -12,7 +12,8 @@ remembers what it did, in this order:
    :class:`~resource_guard.estimate.tracer.StorageTracker`): the real kernel runs on the shadows, exact;
 3. ``real``: the real kernel runs on zero tensors of the inputs' shapes and strides (shadows where
    known), only when those fit :data:`REAL_BUDGET_BYTES`; the outputs become fresh fake tensors of the
-   real outputs' shapes;
+   real outputs' shapes, where a size depends on the values (``unique``) 1-D outputs are widened to
+   the largest input (``widened``: zeros would give the smallest size);
 4. ``assumed``: a value nobody knows (``.item()`` of a parameter-derived tensor): a bool made by
    ``all``/``any`` reads ``True`` (checks such as ``if not (boxes >= 0).all(): raise`` pass), any other
    bool ``False`` (LayerDrop's ``torch.rand([]) < p`` keeps its layers), a number ``0``; ``nonzero`` and
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -49,6 +50,7 @@ _HOW = {
     "rule": "a corrected fake rule",
     "shadow": "the real kernel on shadow values",
     "real": "the real kernel on zero tensors of the same shapes",
+    "widened": "the real kernel on zero tensors, value-dependent sizes widened to the largest input",
     "assumed": "an assumed value",
 }
 
@@ -199,11 +201,18 @@ class Recovery:
         need = sum(t.numel() * t.element_size() for t in tensors if t not in self.shadows)
         if not exact and need > self.budget_bytes:
             raise exc
+        # a value-dependent size (`unique`) computed on zeros is the smallest it can be: widen 1-D
+        # outputs to the largest input, the most such an op returns
+        widen = (
+            0
+            if exact or not isinstance(exc, DynamicOutputShapeException)
+            else max(t.numel() for t in tensors)
+        )
         try:
-            out = self._run_real(func, args, kwargs, tensors, exact)
+            out = self._run_real(func, args, kwargs, tensors, exact, widen)
         except Exception:
             raise exc from None
-        self.counts[(name, "shadow" if exact else "real")] += 1
+        self.counts[(name, "shadow" if exact else "widened" if widen else "real")] += 1
         return out
 
     def _scalar(self, name: str, t: torch.Tensor) -> bool | int | float:
@@ -217,7 +226,9 @@ class Recovery:
             return t in self._checks
         return 0.0 if t.dtype.is_floating_point else 0
 
-    def _run_real(self, func: Any, args: tuple, kwargs: dict, tensors: list, exact: bool) -> Any:
+    def _run_real(
+        self, func: Any, args: tuple, kwargs: dict, tensors: list, exact: bool, widen: int = 0
+    ) -> Any:
         device = tensors[0].device if tensors else torch.device("cpu")
         mutable = func._schema.is_mutable
 
@@ -238,6 +249,8 @@ class Recovery:
         def to_fake(r: Any) -> Any:
             if not isinstance(r, torch.Tensor):
                 return r
+            if widen and r.dim() == 1 and r.numel() < widen:
+                return torch.empty((widen,), dtype=r.dtype, device=device)
             fake = torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=device)
             if exact and r.numel() <= SHADOW_MAX_NUMEL:
                 self.shadows[fake] = r
