@@ -204,7 +204,7 @@ def analytic_estimate(
         >>> model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
         >>> est = analytic_estimate(model, torch.optim.AdamW, torch.randn(32, 64),
         ...                         parse_precision("32-true"), "cpu", reason="asked for")
-        >>> est.method, est.breakdown["optimizer_state"] >= 2 * est.breakdown["gradients"]  # exp_avg(_sq), step
+        >>> est.method, est.breakdown["optimizer_state"] >= 2 * est.breakdown["gradients"]
         ('analytic', True)
     """
     params = list({id(p): p for p in model.parameters()}.values())
