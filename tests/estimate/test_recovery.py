@@ -55,7 +55,10 @@ def test_grouped_mm_is_recovered_by_its_corrected_rule_and_exact():
     est = _estimate(_moe)
     assert est.method == TRACED_RECOVERED
     rule = [line for line in est.recovered_ops if line.startswith("`_grouped_mm`: a corrected fake rule")]
-    assert rule == ["`_grouped_mm`: a corrected fake rule (5x)"]  # 2 forward, 3 backward
+    assert rule == [  # 2 forward, 3 backward; the routing it holds for is said
+        "`_grouped_mm`: a corrected fake rule (5x); tensor sizes do not depend on the MoE routing: any "
+        "routing, the worst included"
+    ]
     assert est.peak_bytes == pytest.approx(_truth(_moe), rel=0.01)
 
 

@@ -12,8 +12,8 @@ remembers what it did, in this order:
    :class:`~resource_guard.estimate.tracer.StorageTracker`): the real kernel runs on the shadows, exact;
 3. ``real``: the real kernel runs on zero tensors of the inputs' shapes and strides (shadows where
    known), only when those fit :data:`REAL_BUDGET_BYTES`; the outputs become fresh fake tensors of the
-   real outputs' shapes, where a size depends on the values (``unique``) 1-D outputs are widened to
-   the largest input (``widened``: zeros would give the smallest size);
+   real outputs' shapes; ``unique``'s 1-D outputs are widened to the largest input (``widened``:
+   zeros would give its smallest size);
 4. ``assumed``: a value nobody knows (``.item()`` of a parameter-derived tensor): a bool made by
    ``all``/``any`` reads ``True`` (checks such as ``if not (boxes >= 0).all(): raise`` pass), any other
    bool ``False`` (LayerDrop's ``torch.rand([]) < p`` keeps its layers), a number ``0``; ``nonzero`` and
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -52,6 +52,13 @@ _HOW = {
     "real": "the real kernel on zero tensors of the same shapes",
     "widened": "the real kernel on zero tensors, value-dependent sizes widened to the largest input",
     "assumed": "an assumed value",
+}
+
+_WIDENED = frozenset({"_unique", "_unique2", "unique_dim", "unique_consecutive"})
+_NOTES = {  # what a recovery of these operators means for the estimate, said beside it
+    ("_grouped_mm", "rule"): "tensor sizes do not depend on the MoE routing: any routing, the worst included",
+    ("nonzero", "assumed"): "every element kept (MoE routing: every token on every expert, an upper bound)",
+    ("masked_select", "assumed"): "every element kept (an upper bound)",
 }
 
 Rule = Callable[["Recovery", tuple, dict], Any]
@@ -139,8 +146,8 @@ class Recovery:
         ...     a, b = torch.empty(6, 4), torch.empty(2, 4, 3)
         ...     offs = torch.empty(2, dtype=torch.int32)
         ...     out = rec.recover(torch.ops.aten._grouped_mm.default, (a, b, offs), {}, RuntimeError("bf16"))
-        >>> tuple(out.shape), rec.summary()
-        ((6, 3), ('`_grouped_mm`: a corrected fake rule (1x)',))
+        >>> tuple(out.shape), rec.summary()[0].split(";")[0]
+        ((6, 3), '`_grouped_mm`: a corrected fake rule (1x)')
     """
 
     def __init__(self, shadows: MutableMapping | None = None, budget_bytes: int | None = None) -> None:
@@ -159,7 +166,9 @@ class Recovery:
     def summary(self) -> tuple[str, ...]:
         """One line per operator and inexact way, as ``"`_grouped_mm`: a corrected fake rule (12x)"``."""
         return tuple(
-            f"`{op}`: {_HOW[how]} ({n}x)" for (op, how), n in sorted(self.counts.items()) if how not in EXACT
+            f"`{op}`: {_HOW[how]} ({n}x)" + (f"; {_NOTES[op, how]}" if (op, how) in _NOTES else "")
+            for (op, how), n in sorted(self.counts.items())
+            if how not in EXACT
         )
 
     def take_scratch(self) -> int:
@@ -201,13 +210,9 @@ class Recovery:
         need = sum(t.numel() * t.element_size() for t in tensors if t not in self.shadows)
         if not exact and need > self.budget_bytes:
             raise exc
-        # a value-dependent size (`unique`) computed on zeros is the smallest it can be: widen 1-D
-        # outputs to the largest input, the most such an op returns
-        widen = (
-            0
-            if exact or not isinstance(exc, DynamicOutputShapeException)
-            else max(t.numel() for t in tensors)
-        )
+        # `unique` on zeros returns its smallest size: its 1-D outputs are widened to the largest
+        # input, the most it returns (other ops' sizes, such as `bincount`'s, stay as computed)
+        widen = max(t.numel() for t in tensors) if name in _WIDENED and not exact else 0
         try:
             out = self._run_real(func, args, kwargs, tensors, exact, widen)
         except Exception:
