@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{row.name:<32} {row.used_mib:>9,} {total:>10,.0f} {err_total:>+7.1%} {pub_reserved:>8,} "
             f"{reserved:>9,.0f} {err_resv:>+7.1%} {(fit.allocated_peak_bytes + extra) / MiB:>10,.0f}"
-            + ("" if est.method == "trace" else f"  ({est.method})")
+            + ("" if est.method == "traced" else f"  ({est.method})")
         )
     print("(MiB; published = NVML used on a V100-SXM2-16GB; pub-ctx = published − 1343 MiB context)")
     if errors:

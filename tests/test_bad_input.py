@@ -480,7 +480,7 @@ def test_load_catalog_names_the_file_and_the_problem(workdir, name):
 
 def test_preflight_estimates_a_float64_model(workdir, capsys):
     assert main(["preflight", "factories.py:float64", "--device", "cpu", "--json"]) == 0
-    assert '"method": "trace"' in capsys.readouterr().out
+    assert '"method": "traced"' in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -494,7 +494,7 @@ def _close_to_real(model: nn.Module, optimizer: Any, batch: Any, loss_fn: Any, p
     real = measure_training_step(
         twin, optimizer(list(twin.parameters())), batch, loss_fn, precision=precision
     )
-    assert est.method == "trace"
+    assert est.method == "traced"
     assert abs(est.peak_bytes - real.peak_bytes) <= max(0.02 * real.peak_bytes, 4096), (est, real)
     return est, real
 
@@ -598,7 +598,7 @@ def test_every_batch_shape_trains_through_guard_in_micro_batches(monkeypatch, ma
                 loss = (loss_fn or (lambda m, b: m(**b) if isinstance(b, dict) else m(*b)))(model, micro)
             g.backward(loss)
     assert seen == [(type(batch), 4)] * 6 and g.optimizer_steps == 2
-    assert g.plan is not None and g.plan.estimate.method == "trace"
+    assert g.plan is not None and g.plan.estimate.method == "traced"
 
 
 def test_bad_input_counts():

@@ -147,7 +147,8 @@ def test_preflight_without_target_estimates_the_demo_and_prints_the_breakdown(
     code, out, err = _run(["preflight"], capsys)
     assert (code, err) == (0, "")
     assert out.startswith("resource-guard preflight: resource_guard.demo:build\n")
-    assert re.search(r"batch 16, 32-true, method trace", out)  # demo.build's default batch_size
+    assert re.search(r"batch 16, 32-true, ", out)  # demo.build's default batch_size
+    assert "method: traced (every operator" in out
     block = out.split("live tensor memory at the peak")[1].split("\n\n")[0]
     rows = dict(re.findall(r"^  (\w+) +(\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB))$", block, re.MULTILINE))
     categories = ["parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs"]
@@ -172,7 +173,7 @@ def test_factory_file_target_and_batch_size_reach_the_estimate(
     estimate, fit = payload["estimate"], payload["fit"]
     assert payload["target"] == target
     assert estimate["batch_size"] == 7  # the factories default to 4
-    assert estimate["method"] == "trace" and estimate["warnings"] == []  # loss_fn was used, not dropped
+    assert estimate["method"] == "traced" and estimate["warnings"] == []  # loss_fn was used, not dropped
     assert estimate["parameter_count"] == 8 * 16 + 16 + 16 * 3 + 3
     assert estimate["peak_bytes"] > 0 and estimate["device_kind"] == "cuda"
     assert (fit["device"], fit["fits"]) == ("a100-40gb", True)

@@ -137,7 +137,7 @@ def _preflight(args: argparse.Namespace) -> int:
     model, optimizer, batch, loss_fn = load_target(args.target, args.batch_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        estimate = estimate_memory(model, optimizer, batch, loss_fn, precision=spec.name, device=device.kind)
+        estimate = estimate_memory(model, optimizer, batch, loss_fn, precision=spec.name, device=device)
     fit, others = _fit_rows(estimate, device, args.headroom, catalog)
     if args.json:
         payload = {

@@ -50,7 +50,7 @@ def test_estimate_says_when_this_cpu_cannot_run_the_step(monkeypatch: pytest.Mon
     monkeypatch.setattr(kernels, "cpu_can_run", no_bf16)
     model, opt, batch, loss_fn = _lstm()
     est = estimate_memory(model, opt, batch, loss_fn, precision="bf16-mixed", device="cpu")
-    assert est.method == "trace"
+    assert est.method == "traced"
     assert est.cpu_unsupported == ("aten.mkldnn_rnn_layer in bf16 (needs AVX-512 (simulated))",)
     assert "this CPU cannot run the step: aten.mkldnn_rnn_layer in bf16 (needs AVX-512 (simulated))" in (
         est.warnings

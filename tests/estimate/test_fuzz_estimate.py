@@ -207,7 +207,7 @@ def test_lstm_16_mixed_is_estimated_though_the_cpu_cannot_run_it() -> None:
     case = Case("lstm", (1, 1), batch_size=1, precision="16-mixed", optimizer="sgd", extent=1)
     model, make_optimizer, batch, loss_fn = build(case)
     est = estimate_memory(model, make_optimizer, batch, loss_fn, precision=case.precision, device="cpu")
-    assert est.method == "trace"
+    assert est.method == "traced"
     assert est.peak_bytes >= est.breakdown["parameters"] + est.breakdown["gradients"] > 0
     runs = cpu_can_run("aten.mkldnn_rnn_layer", torch.float16).runs
     assert bool(est.cpu_unsupported) is not runs

@@ -60,7 +60,7 @@ def test_preflight_and_bf16_cpu_estimates_print_no_native_log_lines() -> None:
                       "preflight", "--device", "cpu", "--precision", "bf16-mixed"])  # fmt: skip
     assert "bf16-mixed" in preflight.stdout
     estimates = _run(["-c", _ESTIMATES])
-    assert estimates.stdout.split() == ["trace", "analytic"]
+    assert estimates.stdout.split() == ["traced", "analytic"]
     for done in (preflight, estimates):
         assert not NATIVE_NOISE.search(done.stderr), done.stderr[-3000:]
 
@@ -122,6 +122,6 @@ def test_an_estimate_leaves_the_users_own_profiler_session_alone(capfd: pytest.C
         est = estimate_memory(model, torch.optim.SGD, torch.randn(16, 64), lambda m, b: m(b).float().sum(),
                               precision="bf16-mixed", device="cpu")  # fmt: skip
         torch.mm(torch.ones(4, 4), torch.ones(4, 4))
-    assert est.method == "trace"
+    assert est.method == "traced"
     assert any(e.name == "aten::mm" for e in prof.events())  # the user's session recorded to the end
     assert "no active profiling session" not in capfd.readouterr().err

@@ -299,7 +299,7 @@ def test_a_non_default_caller_state_works_and_is_kept(no_cuda_rng, state, call):
         est = result if call is _estimate else result.estimate
         if call is _estimate:
             assert est.peak_bytes == reference.peak_bytes
-        assert est.method == "trace"
+        assert est.method == "traced"
 
 
 def test_a_mixed_precision_estimate_inside_the_callers_autocast_is_conservative():

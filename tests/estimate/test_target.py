@@ -192,7 +192,7 @@ def _activations_after_forward(device: str, precision: str = "16-mixed") -> tupl
     model = _Attention()
     est = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(B, L, D),
                           lambda m, b: m(b), precision=precision, device=device)  # fmt: skip
-    assert est.method == "trace", est.warnings
+    assert est.method == "traced", est.warnings
     forward = [sizes for phase, sizes in est.timeline if phase == "forward"]
     return forward[-1][CATEGORIES.index("activations")], est.assumed_target
 
@@ -301,7 +301,7 @@ def test_the_estimate_traces_the_kernel_the_target_runs(device, precision, backe
     model, seq = _SdpaBlock(), 2048
     est = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, seq, 64),
                           lambda m, b: m(b), precision=precision, device=device)  # fmt: skip
-    assert est.method == "trace", est.warnings
+    assert est.method == "traced", est.warnings
     assert est.assumed_target.endswith(f"attention: {backend}×1")
     act = [sizes[CATEGORIES.index("activations")] for phase, sizes in est.timeline if phase == "forward"][-1]
     probs = 2 * 4 * seq * seq  # elements of the (B, H, L, L) attention matrix
@@ -389,5 +389,5 @@ def test_checkpointed_blocks_are_recomputed_under_the_cuda_policy(reentrant):
     model = _Checkpointed(reentrant)
     est = estimate_memory(model, torch.optim.AdamW, torch.randn(2, 64, D), lambda m, b: m(b),
                           precision="16-mixed", device="a100-40gb")  # fmt: skip
-    assert est.method == "trace", est.warnings  # recomputed dtypes match the forward's
+    assert est.method == "traced", est.warnings  # recomputed dtypes match the forward's
     assert (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction) == originals

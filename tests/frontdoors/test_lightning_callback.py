@@ -124,7 +124,7 @@ def fake_plan(monkeypatch):
             m = micro or target // (accumulation * kwargs["world_size"])
             prec = precision or (kwargs["precision"] if kwargs["precision"] != "auto" else "32-true")
             estimate = types.SimpleNamespace(
-                method="trace",
+                method="traced",
                 peak_bytes=1 << 20,
                 breakdown={"parameters": 1 << 20},
                 precision=prec,
@@ -419,7 +419,7 @@ def test_self_log_in_training_step_traces_without_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer(guard, max_steps=1).fit(Net(log=True), Data())
-    assert guard.plan is not None and guard.plan.estimate.method == "trace"
+    assert guard.plan is not None and guard.plan.estimate.method == "traced"
     assert not [w for w in caught if "self.log()" in str(w.message)]
     assert not [w for w in caught if issubclass(w.category, ResourceGuardWarning)]
 

@@ -63,7 +63,7 @@ def test_the_standin_estimate_is_close_to_and_not_below_cross_entropy(
     standin = StandInLoss()
     est = estimate_memory(model, optimizer, batch, standin, precision=precision, device=device)
     assert standin.used
-    assert est.method == exact.method == "trace"
+    assert est.method == exact.method == "traced"
     assert exact.peak_bytes <= est.peak_bytes <= exact.peak_bytes * 1.03
 
 

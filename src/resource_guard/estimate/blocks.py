@@ -217,6 +217,6 @@ def estimate_by_blocks(
             traced.append(
                 estimate_memory(model, optimizer, batch, loss_fn, precision=precision, device=device)  # type: ignore[arg-type]
             )
-    if any(t.method != "trace" for t in traced):  # a fallback is conservative for the full model only
+    if any(not t.traced for t in traced):  # a fallback is conservative for the full model only
         return estimate_memory(model, optimizer, batch, loss_fn, precision=precision, device=device)  # type: ignore[arg-type]
     return extrapolate(traced[0], traced[1], (k1, k2), len(blocks))

@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from resource_guard.devices import resolve_device
+from resource_guard.devices import DeviceSpec, resolve_device
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import kernels as _kernels
 from resource_guard.estimate.analytic import analytic_estimate
@@ -33,13 +32,15 @@ from resource_guard.estimate.fake_world import (
     target_forward,
 )
 from resource_guard.estimate.quiet import torch_logs_silenced
-from resource_guard.estimate.result import MemoryEstimate
+from resource_guard.estimate.recovery import fake_mode as _fake_mode
+from resource_guard.estimate.recovery import fake_numpy
+from resource_guard.estimate.result import TRACED, TRACED_RECOVERED, MemoryEstimate
 from resource_guard.estimate.target import Target
 from resource_guard.estimate.tracer import PeakRecord, StorageTracker
 from resource_guard.step.precision import PrecisionSpec, parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of, iter_tensors, training_step
 
-__all__ = ["estimate_memory"]
+__all__ = ["estimate_memory", "unwrap_model"]
 
 _TIMELINE_POINTS = 2000
 
@@ -152,9 +153,9 @@ def _trace(
     tracker = StorageTracker(
         functools.partial(_kernels.kernel_extra, device_kind=device_kind, cpu_unsupported=unsupported)
     )
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = _fake_mode()
     spans: list[tuple[str, int, int]] = []
-    with fake_mode, tracker, forward:
+    with fake_numpy(tracker.recovery), fake_mode, tracker, forward:
         world = FakeStep(model, optimizer, batch, spec, tracker)
         world.warm_up_optimizer()
         for st in world.optimizer.state.values():
@@ -200,19 +201,15 @@ def _trace(
     variant = AS_SET if AS_SET in variants else (FOREACH if device_kind in ("cuda", "rocm") else FOR_LOOP)
     best, phase_peaks = _select(tracker, variant)
     params = {id(p): p for p in model.parameters()}.values()
-    notes = [
-        f"`{name}` depends on tensor values; assumed "
-        f"{'every element' if name != '_local_scalar_dense' else '0'}"
-        f" ({count}x)"
-        for name, count in tracker.assumptions.items()
-    ]
+    recovered = tracker.recovery.summary()
+    notes = [f"recovered {line}" for line in recovered]
     notes += [f"this CPU cannot run the step: {u.describe()}" for u in unsupported]
     keep = lambda ph: not ph.startswith("optimizer:") or ph == f"optimizer:{variant}"  # noqa: E731
     persistent = sum(best.breakdown[c] for c in ("parameters", "optimizer_state", "other"))
     return MemoryEstimate(
         peak_bytes=best.bytes,
         breakdown=best.breakdown,
-        method="trace",
+        method=TRACED if not recovered else TRACED_RECOVERED,
         precision=spec.name,
         device_kind=device_kind,
         peak_phase=_phase_of(best.phase),
@@ -229,6 +226,7 @@ def _trace(
         initial_allocations=initial,
         trace_seconds=time.perf_counter() - started,
         assumed_target=forward.describe(spec.name),
+        recovered_ops=recovered,
     )
 
 
@@ -239,7 +237,7 @@ def estimate_memory(
     loss_fn: LossFn | None = None,
     *,
     precision: str = "32-true",
-    device: str | None = None,
+    device: str | DeviceSpec | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory of one steady-state training step.
 
@@ -266,6 +264,7 @@ def estimate_memory(
         >>> est.breakdown["optimizer_state"] >= 2 * est.breakdown["parameters"]
         True
     """
+    model, unwrapped = unwrap_model(model)
     _check_inputs(model, optimizer, batch, loss_fn)
     spec = parse_precision(precision)
     kind = _device_kind(device) if device is not None else _default_kind(model)
@@ -273,16 +272,52 @@ def estimate_memory(
     with isolated_global_state():
         try:
             with torch_logs_silenced():  # a failed fake kernel is reported below, not by torch's log
-                return _trace(model, optimizer, batch, loss_fn, spec, kind, target)
+                est = _trace(model, optimizer, batch, loss_fn, spec, kind, target)
         except ConfigurationError:
             raise
-        except Exception as exc:  # the trace could not run this model: fall back, conservatively
-            reason = (
-                f"tracing failed ({type(exc).__name__}: {_first_line(exc)}); analytic estimate, conservative"
+        except Exception as exc:  # the step cannot continue past an operator: fall back, as an upper bound
+            reason = f"tracing failed ({type(exc).__name__}: {_first_line(exc)})"
+            warnings.warn(f"{reason}; analytic upper bound", ResourceGuardWarning, stacklevel=2)
+            est = analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
+            est = dataclasses.replace(est, assumed_target=f"as on {target.describe()}, {spec.name}")
+    return dataclasses.replace(est, warnings=unwrapped + est.warnings) if unwrapped else est
+
+
+def unwrap_model(model: Any) -> tuple[Any, tuple[str, ...]]:
+    """The module whose eager training step is estimated, and a note per wrapper taken off.
+
+    ``torch.compile(model)`` (an ``OptimizedModule``) runs the same tensors as the eager step of the
+    module it compiled, less what the compiler fuses away: the eager step is an upper bound, and is
+    what is traced. DDP's wrapper adds gradient buckets that belong to the strategy (``plan``'s
+    ``strategy="ddp"`` accounts for them per rank); the local module's step is traced. FSDP2
+    (``fully_shard``) replaces parameters by sharded DTensors, which cannot be copied onto fake
+    tensors: refused with what to pass instead.
+    """
+    notes: list[str] = []
+    while True:
+        name = type(model).__name__
+        if isinstance(model, nn.Module) and name == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+            notes.append(
+                "torch.compile'd model: estimated the eager step of the compiled module (an upper bound)"
             )
-            warnings.warn(reason, ResourceGuardWarning, stacklevel=2)
-            fallback = analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
-            return dataclasses.replace(fallback, assumed_target=f"as on {target.describe()}, {spec.name}")
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+            notes.append(
+                "DDP-wrapped model: estimated the local module's step; DDP's gradient buckets are "
+                "accounted by plan(strategy='ddp')"
+            )
+        else:
+            break
+    if isinstance(model, nn.Module) and any(
+        type(m).__name__.startswith("FSDP") or type(m).__name__ == "FullyShardedDataParallel"
+        for m in model.modules()
+    ):
+        raise ConfigurationError(
+            f"`estimate_memory(model=...)`: {type(model).__name__} is sharded by FSDP (`fully_shard`); pass "
+            "the module before sharding and plan(strategy='fsdp', world_size=N) for the per-rank memory."
+        )
+    return model, tuple(notes)
 
 
 def _first_line(exc: BaseException) -> str:

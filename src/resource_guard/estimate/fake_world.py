@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from resource_guard.errors import ConfigurationError
 from resource_guard.estimate.attention import attention_for
@@ -52,7 +53,8 @@ def fake_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def fake_scalar(t: torch.Tensor) -> torch.Tensor:
     """A fake scalar that keeps its value (an optimizer's ``step`` is read with ``.item()``)."""
-    value = 1 if t.is_meta else t.item()
+    with _disable_current_modes():  # a real value: the active FakeTensorMode must not fake it first
+        value = 1 if t.is_meta else t.item()
     return torch.tensor(value, dtype=t.dtype).reshape(t.shape)
 
 
@@ -242,12 +244,13 @@ def isolated_global_state() -> Iterator[None]:
     """Trace in a training step's global state and give the caller back exactly the state it had.
 
     A step needs autograd and sets its own autocast (``precision``), so the caller's ``no_grad``,
-    ``inference_mode`` and CPU autocast are switched off inside. The CPU RNG (never the CUDA one: that
-    would initialise CUDA), Python's and numpy's RNG, the default dtype, the deterministic-algorithms
-    and anomaly flags and the thread count are restored afterwards, also when the user's code changed
-    them or raised halfway. Called inside the caller's own autocast region, the step's autocast is a
-    nested region, whose cache of low-precision weight copies PyTorch only frees when the outermost
-    region ends: the estimate then keeps those copies to the end of the step (conservative).
+    ``inference_mode``, CPU autocast and anomaly detection are switched off inside. The CPU RNG
+    (never the CUDA one: that would initialise CUDA), Python's and numpy's RNG, the default dtype,
+    the deterministic-algorithms and anomaly flags and the thread count are restored afterwards, also
+    when the user's code changed them or raised halfway. Called inside the caller's own autocast
+    region, the step's autocast is a nested region, whose cache of low-precision weight copies PyTorch
+    only frees when the outermost region ends: the estimate then keeps those copies to the end of the
+    step (conservative).
     """
     numpy = sys.modules.get("numpy")
     # autocast off by flag, not by a nested `torch.autocast(enabled=False)`: that would make the step's
@@ -265,6 +268,7 @@ def isolated_global_state() -> Iterator[None]:
     )
     try:
         torch.set_autocast_enabled("cpu", False)
+        torch.set_anomaly_enabled(False)  # its NaN checks read values of fake tensors; no memory effect
         with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
             yield
     finally:

@@ -9,7 +9,18 @@ from typing import Any
 from resource_guard.devices import DeviceSpec
 from resource_guard.estimate.allocator import DeviceFit, device_fit
 
-__all__ = ["MemoryEstimate"]
+__all__ = ["ANALYTIC", "METHODS", "MemoryEstimate", "TRACED", "TRACED_RECOVERED"]
+
+TRACED = "traced"
+"""Every operator of the step ran on fake tensors (or on the batch's real shadow values): exact for the
+traced device's kernels."""
+TRACED_RECOVERED = "traced-recovered"
+"""Traced, but some operators' outputs were computed another way (a corrected fake rule, the real
+kernel on zero tensors, an assumed value); ``recovered_ops`` says which and how."""
+ANALYTIC = "analytic"
+"""The step could not be traced: a count from shapes alone, meant as an upper bound (``warnings``
+says why the trace failed and what the bound covers)."""
+METHODS = (TRACED, TRACED_RECOVERED, ANALYTIC)
 
 
 @dataclass(frozen=True)
@@ -20,7 +31,9 @@ class MemoryEstimate:
         peak_bytes: peak live tensor bytes in the step on the target device kind (what
             ``torch.cuda.max_memory_allocated`` reports on a GPU, before allocator rounding).
         breakdown: bytes by category at the peak (keys: ``CATEGORIES``).
-        method: ``"trace"`` or ``"analytic"`` (then ``warnings`` says why; the figure is conservative).
+        method: how the estimate was obtained, one of :data:`METHODS`: ``"traced"``,
+            ``"traced-recovered"`` (see ``recovered_ops``) or ``"analytic"`` (``warnings`` says why).
+            Before 0.2 a traced estimate said ``"trace"``; test ``est.traced`` to accept both kinds of trace.
         precision: the Lightning precision name the step was estimated under.
         device_kind: the kind of device whose behaviour was assumed (``"cuda"``, ``"cpu"``, ...).
         peak_phase: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"zero_grad"``.
@@ -40,6 +53,8 @@ class MemoryEstimate:
         cpu_unsupported: for a CPU target, the step's operators this machine's CPU has no kernel for
             (e.g. ``"aten.mkldnn_rnn_layer in bf16 (oneDNN's bf16 LSTM needs AVX-512; …)"``): a real
             step here would fail; ``warnings`` says so too. Empty when the CPU runs the step.
+        recovered_ops: for ``"traced-recovered"``: one line per operator and way it was recovered,
+            e.g. ``"`_grouped_mm`: a corrected fake rule (12x)"``.
     """
 
     peak_bytes: int
@@ -61,6 +76,34 @@ class MemoryEstimate:
     trace_seconds: float = 0.0
     assumed_target: str = ""
     cpu_unsupported: tuple[str, ...] = ()
+    recovered_ops: tuple[str, ...] = ()
+
+    @property
+    def traced(self) -> bool:
+        """True when the step was traced (``"traced"`` or ``"traced-recovered"``), not counted."""
+        return self.method in (TRACED, TRACED_RECOVERED)
+
+    @property
+    def method_line(self) -> str:
+        """One line naming how the estimate was obtained, for the CLI, the report and TensorBoard.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from resource_guard import estimate_memory
+            >>> estimate_memory(nn.Linear(4, 2), torch.optim.SGD, torch.randn(8, 4),
+            ...                 lambda m, b: m(b).sum()).method_line
+            'method: traced (every operator of the step ran on fake tensors)'
+        """
+        if self.method == TRACED:
+            return "method: traced (every operator of the step ran on fake tensors)"
+        if self.method == TRACED_RECOVERED:
+            ops = "; ".join(self.recovered_ops) or "see warnings"
+            return f"method: traced-recovered ({len(self.recovered_ops)} operator(s) recovered: {ops})"
+        if self.method == ANALYTIC:
+            why = self.warnings[0] if self.warnings else "the step could not be traced"
+            return f"method: analytic upper bound from shapes, not a trace ({why})"
+        return f"method: {self.method}"
 
     def for_device(
         self, device: str | DeviceSpec = "auto", *, headroom: float = 0.1, catalog: Any = None
@@ -94,6 +137,7 @@ class MemoryEstimate:
             "persistent_bytes": self.persistent_bytes,
             "phase_peak_bytes": dict(self.phase_peak_bytes),
             "warnings": list(self.warnings),
+            "recovered_ops": list(self.recovered_ops),
             "trace_seconds": round(self.trace_seconds, 3),
             "assumed_target": self.assumed_target,
             "cpu_unsupported": list(self.cpu_unsupported),

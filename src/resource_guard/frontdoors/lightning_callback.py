@@ -283,6 +283,7 @@ class ResourceGuard(Callback):
                 world_size=world,
                 strategy=_strategy_name(trainer),
                 memory_limit=self.memory_limit,
+                allow_rough=True,  # the run starts either way: plan on the bound, its warning says why
             )
         self.plan = made
         if self.monitor:  # model FLOPs per sample, for MFU (before checkpointing is applied)

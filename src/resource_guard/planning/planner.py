@@ -75,6 +75,7 @@ from resource_guard.devices import (
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import DeviceFit, MemoryEstimate
 from resource_guard.estimate.estimator import _check_inputs
+from resource_guard.estimate.result import ANALYTIC
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.planning.nofit import NoFitReport, batch_reasons, no_fit_error
 from resource_guard.planning.search import (
@@ -291,6 +292,7 @@ def plan(
     catalog: Catalog | str | os.PathLike[str] | None = None,
     fsdp_mixed_precision: str = "params",
     gpus_per_node: int = GPUS_PER_NODE,
+    allow_rough: bool = False,
 ) -> Plan:
     """Choose the fastest training configuration that fits (rules in the module docstring).
 
@@ -312,6 +314,8 @@ def plan(
             gathered, Lightning's ``FSDPStrategy``), ``"params-fp32-reduce"`` or ``"autocast"``
             (fp32 parameters under autocast).
         gpus_per_node: the shard group of ``strategy="hsdp"``.
+        allow_rough: plan on an analytic estimate (a bound from shapes, when the step cannot be
+            traced); by default such a plan is refused, with the reason.
 
     Returns:
         A :class:`Plan`.
@@ -356,6 +360,13 @@ def plan(
     if not found:
         raise no_fit_error(tracer, spec, catalog, headroom, rows, units)
     best = _cheapest(found, per_rank)
+    if best.estimate.method == ANALYTIC and not allow_rough:
+        why = best.estimate.warnings[0] if best.estimate.warnings else "the step could not be traced"
+        raise ConfigurationError(
+            f"`plan(...)` will not choose a configuration from an analytic estimate ({why}): it is an upper "
+            "bound from shapes, not a trace. Pass `allow_rough=True` to plan on it anyway, or make the step "
+            "traceable (see the reason)."
+        )
     if best.ckpt and checkpointing == "auto" and tracer.blocks and len(tracer.blocks) >= 6:
         best = _least_checkpointing(tracer, best, reasons)
         rows = tracer.alternatives(per_rank)
@@ -374,7 +385,7 @@ def plan(
     if best.fit.verdict != "fits":
         reasons.append(f"{best.fit.verdict}: " + "; ".join(best.fit.tight_risks))
     reasons += [f"{m} (estimate warning)" for m in noted]
-    reasons.append(f"{tracer.count} estimate traces, no real step")
+    reasons.append(f"{tracer.count} estimate traces, no real step; estimate {best.estimate.method_line}")
     return Plan(
         device=spec,
         precision=precision,

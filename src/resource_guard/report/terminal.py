@@ -278,8 +278,11 @@ def render_preflight(
     _print(
         console,
         f"  model {count:.1f}M parameters ({trainable:.1f}M trainable), batch {batch}, "
-        f"{estimate.precision}, method {estimate.method}, {estimate.trace_seconds:.1f} s",
+        f"{estimate.precision}, {estimate.trace_seconds:.1f} s",
     )
+    _print(console, f"  {estimate.method_line}")
+    if getattr(estimate, "assumed_target", ""):
+        _print(console, f"  {estimate.assumed_target}")
     where = f"{estimate.peak_phase}, {estimate.peak_op}" if estimate.peak_phase else "analytic"
     _print(console)
     _print(console, _text(("one training step, live tensor memory at the peak", "bold"), f" ({where}):"))

@@ -1,0 +1,327 @@
+"""Traced estimates of model families the test suite does not have, vs the real CPU step.
+
+Mixture-of-experts (Mixtral, Qwen2-MoE), a state-space model (Mamba, the slow path), speech with CTC
+loss (wav2vec2), detection with a set-based loss (DETR: Hungarian matching through scipy), CLIP,
+DeBERTa-v2, Swin, ConvNeXt, MobileNetV2, Whisper, BART, a ``torch.compile``'d model (the eager step
+of the compiled module is estimated, and the estimate says so), and peft LoRA where peft is
+installed, each in 32-true and bf16-mixed. For every case: the estimate's method (traced,
+traced-recovered or analytic), which operators were recovered, and the error against
+``measure_training_step`` (torch.profiler's memory records of a real CPU step).
+
+MoE routing: transformers' MoE layers sort the tokens by expert and run ``torch._grouped_mm`` over
+``tokens x top_k`` rows, so no tensor's size depends on the routing; the estimate holds for any
+routing of the batch (the all-on-one-expert worst case included). Layers that loop over experts
+with ``torch.where(mask)`` are traced with every token on every expert (``nonzero`` assumed full):
+an upper bound.
+
+Run:  python benchmarks/families.py [--only SUBSTRING]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import statistics
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cases import native_stderr_silenced  # noqa: E402
+
+from resource_guard.estimate import estimate_memory, measure_training_step  # noqa: E402
+
+__all__ = ["FAMILIES", "build"]
+
+Built = tuple[nn.Module, torch.optim.Optimizer, Any, "Callable[[nn.Module, Any], Any] | None"]
+PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def _ids(vocab: int, *shape: int) -> torch.Tensor:
+    return torch.randint(1, vocab, shape, generator=torch.Generator().manual_seed(7))
+
+
+def _lm(model: nn.Module, vocab: int = 128) -> tuple[nn.Module, Any]:
+    ids = _ids(vocab, 2, 16)
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+def mixtral() -> tuple[nn.Module, Any]:
+    import transformers as T
+
+    cfg = T.MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return _lm(T.MixtralForCausalLM(cfg))
+
+
+def qwen2_moe() -> tuple[nn.Module, Any]:
+    import transformers as T
+
+    cfg = T.Qwen2MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return _lm(T.Qwen2MoeForCausalLM(cfg))
+
+
+def mamba() -> tuple[nn.Module, Any]:
+    import transformers as T
+
+    cfg = T.MambaConfig(
+        vocab_size=128, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+        use_mambapy=False,
+    )  # fmt: skip
+    return _lm(T.MambaForCausalLM(cfg))
+
+
+def wav2vec2_ctc() -> tuple[nn.Module, Any]:
+    import transformers as T
+
+    cfg = T.Wav2Vec2Config(
+        vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        conv_dim=(32, 32, 32), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2, mask_time_prob=0.0, ctc_loss_reduction="mean", pad_token_id=0,
+        layerdrop=0.0,  # LayerDrop skips layers at random; the estimate keeps them all (an upper bound)
+    )  # fmt: skip
+    labels = _ids(32, 2, 10)
+    labels[1, 7:] = -100
+    return T.Wav2Vec2ForCTC(cfg), {"input_values": torch.randn(2, 1600), "labels": labels}
+
+
+def detr() -> tuple[nn.Module, Any]:
+    import transformers as T
+
+    backbone = T.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[1, 1, 1, 1], out_features=["stage4"]
+    )
+    cfg = T.DetrConfig(
+        use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone, d_model=32,
+        encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=10, num_labels=5,
+    )  # fmt: skip
+    labels = [
+        {
+            "class_labels": torch.tensor([1, 3]),
+            "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.2], [0.3, 0.3, 0.1, 0.2]]),
+        },
+        {"class_labels": torch.tensor([2]), "boxes": torch.tensor([[0.4, 0.6, 0.3, 0.3]])},
+    ]
+    return T.DetrForObjectDetection(cfg), {"pixel_values": torch.randn(2, 3, 64, 64), "labels": labels}
+
+
+def clip() -> tuple[nn.Module, Any]:
+    import transformers as T
+
+    text = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 32}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "image_size": 32, "patch_size": 8}  # fmt: skip
+    model = T.CLIPModel(T.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+    batch = {"input_ids": _ids(128, 4, 12), "pixel_values": torch.randn(4, 3, 32, 32), "return_loss": True}
+    return model, batch
+
+
+def deberta_v2() -> tuple[nn.Module, Any]:
+    import transformers as T
+
+    cfg = T.DebertaV2Config(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, relative_attention=True, pos_att_type=["p2c", "c2p"], num_labels=3,
+    )  # fmt: skip
+    return T.DebertaV2ForSequenceClassification(cfg), {
+        "input_ids": _ids(128, 2, 16),
+        "labels": torch.tensor([0, 2]),
+    }
+
+
+def swin() -> tuple[nn.Module, Any]:
+    import transformers as T
+
+    cfg = T.SwinConfig(
+        image_size=32,
+        patch_size=4,
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[2, 4],
+        window_size=4,
+        num_labels=5,
+    )
+    return T.SwinForImageClassification(cfg), {
+        "pixel_values": torch.randn(2, 3, 32, 32),
+        "labels": torch.tensor([1, 4]),
+    }
+
+
+def convnext() -> tuple[nn.Module, Any]:
+    import transformers as T
+
+    cfg = T.ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5, image_size=32)
+    return T.ConvNextForImageClassification(cfg), {
+        "pixel_values": torch.randn(2, 3, 32, 32),
+        "labels": torch.tensor([1, 4]),
+    }
+
+
+def mobilenet_v2() -> tuple[nn.Module, Any]:
+    import transformers as T
+
+    cfg = T.MobileNetV2Config(image_size=32, depth_multiplier=0.35, num_labels=5)
+    return T.MobileNetV2ForImageClassification(cfg), {
+        "pixel_values": torch.randn(2, 3, 32, 32),
+        "labels": torch.tensor([1, 4]),
+    }
+
+
+def whisper() -> tuple[nn.Module, Any]:
+    import transformers as T
+
+    cfg = T.WhisperConfig(
+        vocab_size=128, num_mel_bins=16, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_source_positions=32, max_target_positions=32, decoder_start_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    batch = {"input_features": torch.randn(2, 16, 64), "labels": _ids(128, 2, 8)}
+    return T.WhisperForConditionalGeneration(cfg), batch
+
+
+def bart() -> tuple[nn.Module, Any]:
+    import transformers as T
+
+    cfg = T.BartConfig(
+        vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    return T.BartForConditionalGeneration(cfg), {"input_ids": _ids(128, 2, 16), "labels": _ids(128, 2, 12)}
+
+
+def compiled() -> tuple[nn.Module, Any]:
+    """``torch.compile`` of a small MLP; the estimate is of the eager step of the compiled module."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+    return torch.compile(inner), (torch.randn(32, 64), torch.randint(0, 10, (32,)))
+
+
+def _xent(model: nn.Module, batch: Any) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def peft_lora() -> tuple[nn.Module, Any]:
+    import peft
+    import transformers as T
+
+    cfg = T.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    model = peft.get_peft_model(
+        T.LlamaForCausalLM(cfg), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
+    return _lm(model)
+
+
+FAMILIES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
+    "mixtral": mixtral,
+    "qwen2-moe": qwen2_moe,
+    "mamba": mamba,
+    "wav2vec2-ctc": wav2vec2_ctc,
+    "detr": detr,
+    "clip": clip,
+    "deberta-v2": deberta_v2,
+    "swin": swin,
+    "convnext": convnext,
+    "mobilenet-v2": mobilenet_v2,
+    "whisper": whisper,
+    "bart": bart,
+    "compiled-mlp": compiled,
+}
+if importlib.util.find_spec("peft") is not None:
+    FAMILIES["peft-lora-llama"] = peft_lora
+_LOSS = {"compiled-mlp": _xent}
+
+
+def build(name: str, precision: str) -> Built:
+    """A fresh, seeded ``(model, optimizer, batch, loss_fn)`` of family ``name`` (``*-true`` casts)."""
+    torch.manual_seed(0)
+    model, batch = FAMILIES[name]()
+    if precision in ("bf16-true", "16-true"):
+        model.to(torch.bfloat16 if precision == "bf16-true" else torch.float16)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    return model, opt, batch, _LOSS.get(name)
+
+
+def run(name: str, precision: str) -> dict[str, Any]:
+    row: dict[str, Any] = {"case": f"{name}/{precision}"}
+    model, opt, batch, loss_fn = build(name, precision)
+    with native_stderr_silenced():
+        est = estimate_memory(model, opt, batch, loss_fn, precision=precision, device="cpu")
+    row.update(est=est.peak_bytes, method=est.method, recovered=est.recovered_ops, notes=est.warnings)
+    del model, opt, batch
+    gc.collect()
+    model, opt, batch, loss_fn = build(name, precision)
+    with native_stderr_silenced():
+        truth = measure_training_step(model, opt, batch, loss_fn, precision=precision)
+    row["true"] = truth.peak_bytes
+    row["error_pct"] = 100.0 * (row["est"] - row["true"]) / row["true"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", default=None, help="run only cases whose name contains SUBSTRING")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+    rows = []
+    print(f"{'case':<28} {'true KiB':>10} {'est KiB':>10} {'error':>8}  method / recovered operators")
+    for name in FAMILIES:
+        for precision in PRECISIONS:
+            if args.only is not None and args.only not in f"{name}/{precision}":
+                continue
+            try:
+                row = run(name, precision)
+            except Exception as exc:  # a report: record and carry on
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                print(f"{name + '/' + precision:<28} FAILED {why}")
+                continue
+            rows.append(row)
+            what = row["method"] + (": " + "; ".join(row["recovered"]) if row["recovered"] else "")
+            print(
+                f"{row['case']:<28} {row['true'] / 1024:>10.1f} {row['est'] / 1024:>10.1f} "
+                f"{row['error_pct']:>+7.2f}%  {what}",
+                flush=True,
+            )
+    if not rows:
+        return 0
+    errors = [abs(r["error_pct"]) for r in rows]
+    traced = sum(r["method"] != "analytic" for r in rows)
+    print(
+        f"\ncases {len(rows)}, families {len({r['case'].split('/')[0] for r in rows})}: traced "
+        f"{100 * traced / len(rows):.0f}%, median |error| {statistics.median(errors):.2f}%, "
+        f"max |error| {max(errors):.2f}%, worst under {min(r['error_pct'] for r in rows):+.2f}%"
+    )
+    print(
+        "MoE routing: static shapes (grouped_mm over tokens x top_k rows): any routing, worst case included"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
