@@ -146,3 +146,23 @@ def test_real_step_comparisons_skip_with_the_reason_on_an_avx2_cpu() -> None:
     assert "2 passed, 1 skipped" in out, out[-3000:]
     assert "this CPU cannot run the reference step: aten.mkldnn_rnn_layer in bf16" in out
     assert "needs AVX-512" in out
+
+
+def test_gpu_target_low_precision_convolutions_are_not_probed_on_this_cpu(monkeypatch) -> None:
+    """A CPU kernel in fp16 says nothing of cuDNN's workspace and is very slow here: the rule stands."""
+    from resource_guard.estimate import kernels
+
+    probed: list[object] = []
+    monkeypatch.setattr(
+        kernels, "_reduced_probe", lambda func, *a, **k: probed.append(func) or kernels.KernelExtra(0)
+    )
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten())
+    batch = torch.randn(4, 3, 16, 16)
+    for precision in ("16-mixed", "bf16-mixed"):
+        est = estimate_memory(
+            model, torch.optim.SGD, batch, lambda m, b: m(b).float().mean(), precision=precision, device="t4"
+        )
+        assert est.traced
+    assert probed == []
+    estimate_memory(model, torch.optim.SGD, batch, lambda m, b: m(b).mean(), precision="32-true", device="t4")
+    assert probed  # fp32 kernels are still probed (their scratch is the same kind on the target)

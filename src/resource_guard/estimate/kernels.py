@@ -235,7 +235,24 @@ def kernel_extra(
     factor = _PROBED.get(func)
     if factor is None:
         return None
+    if not cpu and _low_precision(args):
+        # a CPU kernel in fp16/bf16 says nothing of cuDNN's workspace on the target, and runs very
+        # slowly here (a small fp16 conv net took ~19 min to probe): the rule of thumb stands
+        return _rule(args, kwargs, out, factor)
     return _probe_or_rule(func, args, kwargs, out, size_of, factor)
+
+
+def _low_precision(args: tuple) -> bool:
+    return any(
+        isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16)
+        for t in tree_flatten(args)[0]
+    )
+
+
+def _rule(args: tuple, kwargs: dict, out: Any, factor: float) -> KernelExtra:
+    """``factor`` × the largest tensor of the call: the scratch when no probe is run."""
+    tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+    return KernelExtra(int(max((_bytes_of(t) for t in tensors), default=0) * factor))
 
 
 def _check_cpu_kernel(func: Any, args: tuple, found: list[CpuKernelSupport]) -> None:
@@ -260,15 +277,14 @@ def _probe_or_rule(
 ) -> KernelExtra:
     """The probed extra of ``func`` (cached by signature), or ``factor`` × its largest tensor."""
     tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-    largest = max((_bytes_of(t) for t in tensors), default=0)
     if sum(_bytes_of(t) for t in tensors) * 2 > PROBE_BUDGET_BYTES:
-        return KernelExtra(int(largest * factor))
+        return _rule(args, kwargs, out, factor)
     key = (_signature(func, args, kwargs), tuple(size_of(t) for t in tensors), torch.get_num_threads())
     found = _CACHE.get(key)
     if found is None:
         try:
             found = _reduced_probe(func, args, kwargs, size_of)
         except Exception:  # a probe is a refinement; without it the rule of thumb stands
-            found = KernelExtra(int(largest * factor))
+            found = _rule(args, kwargs, out, factor)
         _CACHE[key] = found
     return found

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from resource_guard.errors import ConfigurationError
+from resource_guard.estimate.quiet import native_stderr_silenced
 from resource_guard.report.types import ProfileSummary
 
 __all__ = ["ProfileWindow", "ProfileSummary", "EventRecord", "StepProfiler", "summarize_events"]
@@ -212,7 +213,8 @@ class StepProfiler:
             on_trace_ready=self._on_trace_ready,
             record_shapes=w.record_shapes,
         )
-        prof.start()
+        with native_stderr_silenced():  # Kineto's native `profiler_start` line is not the user's
+            prof.start()
         self._prof = prof
 
     def _on_trace_ready(self, prof: Any) -> None:
@@ -224,7 +226,8 @@ class StepProfiler:
         if prof is None:
             return
         self._steps_seen += 1
-        prof.step()
+        with native_stderr_silenced():  # the schedule starts/stops Kineto inside step()
+            prof.step()
         if self._captured is not None or self._steps_seen >= self.window.steps_needed:
             self.stop()
 
@@ -234,7 +237,8 @@ class StepProfiler:
         if prof is not None:
             self._finished = True
             recorded = self._captured is not None
-            prof.stop()
+            with native_stderr_silenced():
+                prof.stop()
             self._cut_short = not recorded and self._captured is not None
 
     def summarize(self) -> ProfileSummary | None:
