@@ -190,7 +190,8 @@ def test_batch_counts_infers_samples_and_tokens() -> None:
 def test_interval_metrics_with_a_fake_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
     monkeypatch.setattr(monitor, "_clock", clock)
-    spec = DeviceSpec(name="toy", kind="cpu", memory_bytes=2**40, peak_tflops={"fp32": 1.0})  # RSS of a long test session stays far below it
+    # 1 TiB: the RSS of a long test session stays far below it (no memory-pressure finding)
+    spec = DeviceSpec(name="toy", kind="cpu", memory_bytes=2**40, peak_tflops={"fp32": 1.0})
     mon = RunMonitor(tmp_path, log_every_n_steps=4, profile=False, device_spec=spec, flops_per_step=1e10,
                      interval_s=0.01, summary=False)  # fmt: skip
     mon.start()
