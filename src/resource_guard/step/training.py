@@ -118,14 +118,13 @@ def _as_loss(output: Any) -> torch.Tensor:
 
 
 def _standin_of(tensor: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy against class 0 over the last dim, in float32: what ``F.cross_entropy`` keeps."""
-    x = tensor.float()
-    if x.dim() == 0 or x.numel() == 0:
-        return x.sum()
-    log_probs = torch.log_softmax(x, dim=-1)  # kept for backward: a float32 copy of the output
-    flat = log_probs.reshape(-1, log_probs.shape[-1])
+    """``F.cross_entropy`` against class 0 over the last dim: what a cross-entropy keeps, under the
+    precision policy in force (autocast runs it in float32; the target's policy decides its dtypes)."""
+    if tensor.dim() == 0 or tensor.numel() == 0:
+        return tensor.float().sum()
+    flat = tensor.reshape(-1, tensor.shape[-1])
     target = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
-    return nn.functional.nll_loss(flat, target)
+    return nn.functional.cross_entropy(flat, target)
 
 
 class StandInLoss:
@@ -136,9 +135,10 @@ class StandInLoss:
     does not require (the targets of ``(inputs, targets)``), else ``model(batch)``. When the output
     carries a loss (a scalar, or ``.loss`` / ``["loss"]``) that loss is used as is, exactly.
     Otherwise the outputs stand in for the loss: each floating-point output tensor that requires
-    grad (only ``logits`` when a mapping or ``ModelOutput`` has them) goes through a float32
-    ``log_softmax`` over its last dimension and ``nll_loss`` against class 0 — the kernels, saved
-    tensors and gradients of a cross-entropy over logits, the commonest loss. A loss that keeps more
+    grad (only ``logits`` when a mapping or ``ModelOutput`` has them) goes through
+    ``F.cross_entropy`` over its last dimension against class 0 — the kernels, saved tensors and
+    gradients of a cross-entropy over logits (the commonest loss), under whatever precision policy
+    the step runs (CPU or the target's CUDA autocast). A loss that keeps more
     (label smoothing, a float32 copy of shifted logits) is under-counted by that difference; pass
     ``loss_fn=`` for an exact estimate.
 
@@ -153,7 +153,7 @@ class StandInLoss:
     """
 
     REASON = (
-        "loss: stand-in (float32 log-softmax + NLL over the model's outputs, what a cross-entropy keeps), "
+        "loss: stand-in (a cross-entropy over the model's outputs against class 0), "
         "as no `loss_fn` was given and the model returns no loss; pass loss_fn= for an exact estimate"
     )
 
