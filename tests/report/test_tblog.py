@@ -186,20 +186,23 @@ def test_a_real_tensorboard_serves_the_scalars_and_the_report(tmp_path: Path) ->
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 90
+        # TensorBoard loads the run in a background thread, event by event: poll until the last event
+        # (the report, written at close) is served; the deadline only bounds a hang
+        deadline = time.monotonic() + 120
         tags: dict[str, Any] = {}
+        text_tags: dict[str, Any] = {}
         while time.monotonic() < deadline:
             assert proc.poll() is None, "tensorboard exited"
             try:
-                tags = _get(port, "/data/plugin/scalars/tags").get("run", {})
-                if tags:
+                text_tags = _get(port, "/data/plugin/text/tags")
+                if "resource_guard/report/text_summary" in text_tags.get("run", []):
+                    tags = _get(port, "/data/plugin/scalars/tags").get("run", {})
                     break
             except OSError:
                 pass
             time.sleep(0.5)
+        assert "resource_guard/report/text_summary" in text_tags.get("run", []), text_tags
         assert "resource_guard/time/data_wait_share" in tags and "resource_guard/time/step_s" in tags
-        text_tags = _get(port, "/data/plugin/text/tags")
-        assert "resource_guard/report/text_summary" in text_tags["run"]
         texts = _get(port, "/data/plugin/text/text", run="run", tag="resource_guard/report/text_summary")
         assert f"Verdict: {report.verdict}" in texts[-1]["text"]
     finally:
