@@ -54,11 +54,18 @@ def busy_processes(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
 class Repeat:
     """A pytest plugin: every test runs ``runs`` times; iteration-major order, shuffled per iteration."""
 
-    def __init__(self, runs: int, seed: int) -> None:
+    def __init__(self, runs: int, seed: int, minutes: float | None = None) -> None:
         self.runs, self.seed = runs, seed
+        self.stop_at = None if minutes is None else time.perf_counter() + 60 * minutes
+        self.completed: list[int] = []
+        self.session: Any = None
         self.failed: dict[int, list[str]] = defaultdict(list)
         self.seconds: dict[int, float] = defaultdict(float)
         self.run_of: dict[str, int] = {}
+        self.left: dict[int, int] = defaultdict(int)
+
+    def pytest_sessionstart(self, session: Any) -> None:
+        self.session = session
 
     def pytest_generate_tests(self, metafunc: Any) -> None:
         metafunc.fixturenames.append("stress_run")
@@ -75,27 +82,42 @@ class Repeat:
             ordered += by_run[run]
         items[:] = ordered
 
+    def pytest_collection_finish(self, session: Any) -> None:  # after -k / -m deselection
+        for item in session.items:
+            self.left[self.run_of[item.nodeid]] += 1
+
     def pytest_runtest_logreport(self, report: Any) -> None:
         run = self.run_of[report.nodeid]
         self.seconds[run] += report.duration
         if report.failed:
             self.failed[run].append(f"{report.nodeid.split('[')[0]} ({report.when})")
+        if report.when == "teardown":
+            self.left[run] -= 1
+            if self.left[run] == 0:
+                self.completed.append(run)
+                verdict = "FAILED " + "; ".join(self.failed[run]) if self.failed[run] else "passed"
+                # progress, in case the loop is cut short (past pytest's output capture)
+                print(f" run {run}: {verdict} ({self.seconds[run]:.0f} s)", file=sys.__stdout__, flush=True)
+                if self.stop_at is not None and time.perf_counter() > self.stop_at and self.session:
+                    self.session.shouldstop = f"--minutes spent after {len(self.completed)} runs"
 
 
 def repeat_tests(args: argparse.Namespace) -> list[tuple[int, bool, float, list[str]]]:
     import pytest
 
-    plugin = Repeat(args.runs, args.seed)
+    plugin = Repeat(args.runs, args.seed, args.minutes)
     pytest_args = ["-q", "-p", "no:randomly", "-p", "no:cacheprovider", "--no-header", *args.only]
     pytest.main(pytest_args, plugins=[plugin])
-    return [
-        (run, not plugin.failed[run], plugin.seconds[run], plugin.failed[run]) for run in range(args.runs)
-    ]
+    failed, seconds = plugin.failed, plugin.seconds
+    return [(run, not failed[run], seconds[run], failed[run]) for run in plugin.completed]
 
 
 def repeat_suite(args: argparse.Namespace) -> list[tuple[int, bool, float, list[str]]]:
-    rows = []
+    rows: list[tuple[int, bool, float, list[str]]] = []
+    stop_at = None if args.minutes is None else time.perf_counter() + 60 * args.minutes
     for run in range(args.runs):
+        if stop_at is not None and time.perf_counter() > stop_at:
+            break
         seed = args.seed + run
         command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args.only]
         if _has_randomly():
@@ -126,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=int, default=2, help="busy processes (default 2)")
     parser.add_argument("--seed", type=int, default=1, help="first shuffling / random-order seed")
     parser.add_argument("--suite", action="store_true", help="the whole suite, -x, one process per run")
+    parser.add_argument("--minutes", type=float, default=None, help="start no run after this many minutes")
     parser.add_argument("--only", nargs=argparse.REMAINDER, default=None, help="pytest arguments (last)")
     args = parser.parse_args(argv)
     args.runs = args.runs or (5 if args.suite else 50)
     args.only = args.only if args.only is not None else ([] if args.suite else DEFAULT_TESTS)
     what = "the whole suite" if args.suite else " ".join(args.only)
-    print(f"{what}: {args.runs} runs under {args.load} busy processes", flush=True)
+    print(f"{what}: up to {args.runs} runs under {args.load} busy processes", flush=True)
     start = time.perf_counter()
     with busy_processes(args.load):
         rows = (repeat_suite if args.suite else repeat_tests)(args)
