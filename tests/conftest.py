@@ -1,8 +1,83 @@
-"""Shared pytest hooks: the header names this CPU, so a failure report names the hardware."""
+"""Shared pytest fixtures and hooks.
+
+The report header names this CPU, so a failure report names the hardware.
+
+Test isolation (issue #17: the suite passes in any order, ``pytest-randomly``'s default, and in parallel,
+``-n 2``): every test starts from the same torch RNG state, and process-wide state that a test or the code
+under test could leave behind is put back after it. State that code must never leave changed (torch's
+global switches, the working directory) also fails the test that changed it, so a leak is found where
+it happens rather than in whichever test runs next.
+
+Hypothesis runs without its two clocks (the 200 ms per-example ``deadline`` and the ``too_slow`` health
+check): on a busy machine they fail a test for the machine's load, not for the code.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
 from resource_guard.devices import cpu_summary
+
+settings.register_profile("no-clock", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("no-clock")
+
+
+def _torch_state() -> dict[str, Any]:
+    return {
+        "default dtype": torch.get_default_dtype(),
+        "grad enabled": torch.is_grad_enabled(),
+        "intra-op threads": torch.get_num_threads(),
+        "float32 matmul precision": torch.get_float32_matmul_precision(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "anomaly detection": torch.is_anomaly_enabled(),
+        "cpu autocast": torch.is_autocast_enabled("cpu"),
+        "cwd": os.getcwd(),
+    }
+
+
+def _restore_torch_state(state: dict[str, Any]) -> None:
+    torch.set_default_dtype(state["default dtype"])
+    torch.set_grad_enabled(state["grad enabled"])
+    torch.set_num_threads(state["intra-op threads"])
+    torch.set_float32_matmul_precision(state["float32 matmul precision"])
+    torch.use_deterministic_algorithms(state["deterministic algorithms"])
+    torch.set_anomaly_enabled(state["anomaly detection"])
+    torch.set_autocast_enabled("cpu", state["cpu autocast"])
+    os.chdir(state["cwd"])
+
+
+@pytest.fixture(autouse=True)
+def _isolated_process_state() -> Iterator[None]:
+    """Same torch seed for every test; environment, logging levels and the SIGINT handler put back;
+    torch's global switches and the cwd checked (and put back) after each test."""
+    torch.manual_seed(0)
+    before = _torch_state()
+    environ = dict(os.environ)
+    loggers = {name: logging.getLogger(name) for name in ("", "resource_guard")}
+    levels = {name: logger.level for name, logger in loggers.items()}
+    root_handlers = list(logging.getLogger().handlers)
+    sigint = signal.getsignal(signal.SIGINT)
+    yield
+    after = _torch_state()
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    for name, logger in loggers.items():
+        logger.setLevel(levels[name])
+    logging.getLogger().handlers[:] = root_handlers
+    signal.signal(signal.SIGINT, sigint)
+    changed = {key: (before[key], after[key]) for key in before if before[key] != after[key]}
+    if changed:
+        _restore_torch_state(before)
+        pytest.fail(f"the test left process-wide state changed (before, after): {changed}", pytrace=False)
 
 
 def pytest_report_header() -> str:

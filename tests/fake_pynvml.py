@@ -4,16 +4,25 @@ Use the ``fake_pynvml`` fixture (in the test modules) or :func:`install`::
 
     nvml = install(monkeypatch, [FakeGpu("NVIDIA A100-SXM4-40GB", "GPU-aaaa")])
     nvml.fail_after = 3          # the 4th query raises NVMLError_GpuIsLost (a GPU lost mid-run)
+
+The sampler queries from its own thread; a test waits for what it needs instead of sleeping::
+
+    nvml.wait_for_calls(nvml.calls + 2 * QUERIES_PER_SAMPLE)   # a full sample was taken since
+    nvml.fail_in(0); nvml.wait_until_lost()                     # the sampler has seen the GPU go
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FakeGpu", "FakeNvml", "install"]
+__all__ = ["FakeGpu", "FakeNvml", "HANG_S", "QUERIES_PER_SAMPLE", "install"]
+
+HANG_S = 60.0  # a wait that takes this long is a hang, not a slow machine
+QUERIES_PER_SAMPLE = 5  # per GPU: utilization, memory, power, temperature, SM clock
 
 
 class NVMLError(Exception):
@@ -59,6 +68,7 @@ class FakeNvml:
     inits: int = 0
     shutdowns: int = 0
     module: types.ModuleType = field(init=False)
+    _queried: threading.Condition = field(init=False, repr=False, default_factory=threading.Condition)
 
     def __post_init__(self) -> None:
         m = types.ModuleType("pynvml")
@@ -95,10 +105,29 @@ class FakeNvml:
         return self.gpus[handle[1]]
 
     def _query(self, handle: Any) -> FakeGpu:
-        self.calls += 1
-        if self.fail_after is not None and self.calls > self.fail_after:
+        with self._queried:
+            self.calls += 1
+            lost = self.fail_after is not None and self.calls > self.fail_after
+            self._queried.notify_all()
+        if lost:
             raise NVMLError_GpuIsLost("GPU is lost")
         return self._gpu(handle)
+
+    def wait_for_calls(self, n: int, timeout_s: float = HANG_S) -> None:
+        """Block until the driver has been queried ``n`` times in all."""
+        with self._queried:
+            if not self._queried.wait_for(lambda: self.calls >= n, timeout_s):
+                raise TimeoutError(f"NVML queried {self.calls} times in {timeout_s} s, waited for {n}")
+
+    def fail_in(self, n: int) -> None:
+        """The GPU is lost after ``n`` more queries."""
+        with self._queried:
+            self.fail_after = self.calls + n
+
+    def wait_until_lost(self, timeout_s: float = HANG_S) -> None:
+        """Block until a query has raised ``GpuIsLost`` (the sampler has seen the fault)."""
+        assert self.fail_after is not None, "no fault injected: call fail_in() first"
+        self.wait_for_calls(self.fail_after + 1, timeout_s)
 
     def _power(self, handle: Any) -> int:
         gpu = self._query(handle)

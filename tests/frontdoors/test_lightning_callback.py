@@ -160,7 +160,7 @@ def test_constructible_with_defaults_and_no_side_effects():
     guard = ResourceGuard()
     assert guard.plan is None and guard.decisions is None and guard.report is None
     assert guard.state_dict() == {}
-    assert set(threading.enumerate()) == before
+    assert not set(threading.enumerate()) - before  # (another test's thread may end meanwhile)
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
+import lagging_tensorboard
 from resource_guard.estimate import estimate_memory
 from resource_guard.observe.monitor import RunMonitor
 from resource_guard.report import tensorboard as tblog
@@ -62,6 +63,28 @@ def test_scalars_text_and_image_land_in_the_event_file(tmp_path: Path) -> None:
     assert "custom_scalars__config__" in ea.Tags()["tensors"]
     image = ea.Images("resource_guard/memory")[0]
     assert (image.width, image.height) == (6, 4)
+
+
+# the writer thread dies on the injected disk error (its traceback is pytest's warning)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_what_was_logged_is_in_the_file_before_a_fault_however_late_the_writer_thread_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer thread writes only while someone waits for it; each TBLog call must wait."""
+    disk = lagging_tensorboard.install(monkeypatch)
+    log = TBLog(log_dir=tmp_path)
+    log.layout()
+    log.scalars(1, {"time/step_s": 0.5})
+    log.text("report", "# so far")
+    assert _accumulator(tmp_path).Scalars("resource_guard/time/step_s")[0].step == 1, "not in the file yet"
+    disk.full()
+    with pytest.raises(OSError, match="No space left"):  # the call that hit the fault says so
+        log.scalars(2, {"time/step_s": 0.6})
+    with pytest.raises(OSError, match="No space left"):
+        log.close()  # its thread and file let go of all the same (test_faults checks that)
+    ea = _accumulator(tmp_path)
+    assert [e.step for e in ea.Scalars("resource_guard/time/step_s")] == [1]
+    assert "resource_guard/report/text_summary" in ea.Tags()["tensors"]
 
 
 def test_the_private_file_writer_hook_still_exists(tmp_path: Path) -> None:
@@ -146,20 +169,23 @@ def test_a_real_tensorboard_serves_the_scalars_and_the_report(tmp_path: Path) ->
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 90
+        # TensorBoard loads the run in a background thread, event by event: poll until the last event
+        # (the report, written at close) is served; the deadline only bounds a hang
+        deadline = time.monotonic() + 120
         tags: dict[str, Any] = {}
+        text_tags: dict[str, Any] = {}
         while time.monotonic() < deadline:
             assert proc.poll() is None, "tensorboard exited"
             try:
-                tags = _get(port, "/data/plugin/scalars/tags").get("run", {})
-                if tags:
+                text_tags = _get(port, "/data/plugin/text/tags")
+                if "resource_guard/report/text_summary" in text_tags.get("run", []):
+                    tags = _get(port, "/data/plugin/scalars/tags").get("run", {})
                     break
             except OSError:
                 pass
             time.sleep(0.5)
+        assert "resource_guard/report/text_summary" in text_tags.get("run", []), text_tags
         assert "resource_guard/time/data_wait_share" in tags and "resource_guard/time/step_s" in tags
-        text_tags = _get(port, "/data/plugin/text/tags")
-        assert "resource_guard/report/text_summary" in text_tags["run"]
         texts = _get(port, "/data/plugin/text/text", run="run", tag="resource_guard/report/text_summary")
         assert f"Verdict: {report.verdict}" in texts[-1]["text"]
     finally:

@@ -2,8 +2,10 @@
 report as text and the pre-flight memory picture as an image.
 
 :class:`TBLog` wraps a ``SummaryWriter`` (its own, created in the log dir, or one it is handed, e.g.
-Lightning's ``TensorBoardLogger.experiment``, which it never closes). A writer error switches TensorBoard
-output off with one message (the caller warns) and never reaches the training loop.
+Lightning's ``TensorBoardLogger.experiment``, which it never closes). Each of its calls returns once what
+it logged is in the events file, so a later fault (the disk filling up, the writer's thread dying, the
+process being killed) loses nothing already logged. A writer error switches TensorBoard output off with
+one message (the caller warns) and never reaches the training loop.
 
 :func:`memory_figure` draws the estimate's timeline (bytes by category over one step, stacked, phases
 along the x axis, bytes in MiB or GiB on the y axis) against the labelled device capacity as a
@@ -71,6 +73,12 @@ def custom_scalar_layout() -> dict[str, dict[str, list[Any]]]:
 class TBLog:
     """TensorBoard writing for one run. Every method raises on writer errors; callers disable it then.
 
+    ``SummaryWriter`` queues events for a thread that writes them when it next runs (and flushes the
+    file every ``flush_secs``, 120 by default): on a busy machine a fault could take logged scalars with
+    it. So every call here ends with a flush: it returns once the writer thread has written its events
+    to the file (handed to the OS, not fsync'd), and a writer thread that died on an I/O error raises in
+    the call that hit it. The cost is one wait for the writer thread per call, i.e. per log boundary.
+
     Args:
         writer: an existing ``SummaryWriter`` (not closed here); or ``None`` with ``log_dir``.
         log_dir: where to create a ``SummaryWriter`` when no ``writer`` is given.
@@ -95,6 +103,7 @@ class TBLog:
 
     def layout(self) -> None:
         self.writer.add_custom_scalars(custom_scalar_layout())
+        self._flush()
 
     def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
         """Write ``values`` as ``resource_guard/<key>`` at ``step``; ``None`` and NaN are skipped.
@@ -108,17 +117,26 @@ class TBLog:
         if file_writer is None:
             for tag, value in kept.items():
                 writer.add_scalar(tag, value, step)
-            return
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        else:
+            from tensorboard.compat.proto.summary_pb2 import Summary
 
-        summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in kept.items()])
-        file_writer.add_summary(summary, step)
+            values_pb = [Summary.Value(tag=tag, simple_value=value) for tag, value in kept.items()]
+            file_writer.add_summary(Summary(value=values_pb), step)
+        self._flush()
 
     def text(self, tag: str, markdown: str, step: int = 0) -> None:
         self.writer.add_text(TAG_PREFIX + tag, markdown, step)
+        self._flush()
 
     def image(self, tag: str, image_hwc: np.ndarray, step: int = 0) -> None:
         self.writer.add_image(TAG_PREFIX + tag, image_hwc, step, dataformats="HWC")
+        self._flush()
+
+    def _flush(self) -> None:
+        """Wait until the writer has written what it was given (writers without ``flush``: nothing)."""
+        flush = getattr(self._writer, "flush", None)
+        if callable(flush):
+            flush()
 
     def close(self) -> None:
         """Flush; close the writer only if this object created it (idempotent).
