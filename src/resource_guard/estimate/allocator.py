@@ -317,20 +317,7 @@ def device_fit(
         total = peak
         if spec.kind == "mps" or spec.unified_memory:
             notes.append("unified memory: the step shares capacity with the system")
-    usable = int(capacity * (1 - headroom))
-    return DeviceFit(
-        device=spec,
-        capacity_bytes=int(capacity),
-        allocated_peak_bytes=int(allocated),
-        reserved_peak_bytes=int(reserved),
-        context_bytes=int(context),
-        workspace_bytes=int(workspace),
-        device_total_bytes=int(total),
-        usable_bytes=usable,
-        fits=total <= usable,
-        headroom_bytes=int(capacity - total),
-        notes=tuple(notes),
-    )
+    return _fit(spec, capacity, headroom, allocated, reserved, context, workspace, total, notes)
 
 
 def _churn(events: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -403,6 +390,21 @@ def rank_device_fit(
         allocated = reserved = rank_bytes
         workspace = context = 0
     total = reserved + context
+    return _fit(device, capacity, headroom, allocated, reserved, context, workspace, total, out)
+
+
+def _fit(
+    device: DeviceSpec,
+    capacity: float,
+    headroom: float,
+    allocated: float,
+    reserved: float,
+    context: float,
+    workspace: float,
+    total: float,
+    notes: Sequence[str],
+) -> DeviceFit:
+    """The :class:`DeviceFit` of a step's figures on ``device`` with ``headroom`` kept free."""
     usable = int(capacity * (1 - headroom))
     return DeviceFit(
         device=device,
@@ -415,5 +417,5 @@ def rank_device_fit(
         usable_bytes=usable,
         fits=total <= usable,
         headroom_bytes=int(capacity - total),
-        notes=tuple(out),
+        notes=tuple(notes),
     )

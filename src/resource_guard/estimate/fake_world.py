@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from resource_guard.step.training import OptimizerArg
 
 __all__ = [
+    "fake_copy",
     "FOREACH",
     "FOR_LOOP",
     "AS_SET",
@@ -49,6 +50,19 @@ FOREACH, FOR_LOOP, AS_SET = "foreach", "for-loop", "as-set"  # the optimizer cod
 
 def fake_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device="cpu")
+
+
+def fake_copy(model: nn.Module, batch: Any) -> tuple[nn.Module, Any]:
+    """A copy of ``model`` whose parameters and buffers are fake, and ``batch`` on fake tensors.
+
+    Call inside a ``FakeTensorMode``; the model and batch are untouched (for counting FLOPs).
+    """
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(fake_like(p, p.dtype), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = fake_like(b, b.dtype)
+    return copy.deepcopy(model, memo), map_tensors(lambda t: fake_like(t, t.dtype), batch)
 
 
 def fake_scalar(t: torch.Tensor) -> torch.Tensor:

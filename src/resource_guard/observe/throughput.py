@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from collections.abc import Sequence
@@ -215,22 +214,12 @@ def count_flops(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = Non
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from resource_guard.estimate.fake_world import fake_like
-    from resource_guard.step.training import map_tensors
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        return fake_like(t, t.dtype)
+    from resource_guard.estimate.fake_world import fake_copy
 
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=False)
         with mode:
-            memo: dict[int, Any] = {}
-            for p in model.parameters():
-                memo[id(p)] = torch.nn.Parameter(fake(p), requires_grad=p.requires_grad)
-            for b in model.buffers():
-                memo[id(b)] = fake(b)
-            fake_model = copy.deepcopy(model, memo)
-            fake_batch = map_tensors(fake, batch)
+            fake_model, fake_batch = fake_copy(model, batch)
             with FlopCounterMode(display=False) as counter:
                 loss = call_loss_fn(fake_model, fake_batch, loss_fn)
                 if loss.requires_grad:

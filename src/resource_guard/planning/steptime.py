@@ -38,7 +38,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from collections.abc import Mapping
@@ -53,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from resource_guard.devices import Catalog, DeviceSpec
 from resource_guard.errors import ConfigurationError
 from resource_guard.step.precision import parse_precision
-from resource_guard.step.training import LossFn, batch_size_of, call_loss_fn, iter_tensors, map_tensors
+from resource_guard.step.training import LossFn, batch_size_of, call_loss_fn, iter_tensors
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
@@ -199,18 +198,12 @@ def count_step_flops(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from resource_guard.estimate.fake_world import fake_like
+    from resource_guard.estimate.fake_world import fake_copy
 
     samples = batch_size_of(batch) or 1
     forward: dict[str, float] = {}
     with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=False):
-        memo: dict[int, Any] = {}
-        for p in model.parameters():
-            memo[id(p)] = nn.Parameter(fake_like(p, p.dtype), requires_grad=p.requires_grad)
-        for b in model.buffers():
-            memo[id(b)] = fake_like(b, b.dtype)
-        fake_model = copy.deepcopy(model, memo)
-        fake_batch = map_tensors(lambda t: fake_like(t, t.dtype), batch)
+        fake_model, fake_batch = fake_copy(model, batch)
         ops = _OpCounter()
         with FlopCounterMode(display=False) as fwd, ops:
             handles = [
