@@ -116,6 +116,23 @@ def _has_in_place_variant(func: Any) -> bool:
     return not name.endswith("_") and hasattr(_aten, name + "_")
 
 
+_QUERIES: dict[Any, bool] = {}
+
+
+def _is_query(func: Any) -> bool:
+    """Whether ``func`` only reads (``prim.device``, ``.item()``): no tensor out, nothing written.
+
+    Such calls come between an operator and the release of its inputs (autograd asks the output's
+    device), so they neither allocate nor mark a point where the live total is observed.
+    """
+    found = _QUERIES.get(func)
+    if found is None:
+        schema = func._schema
+        found = not schema.is_mutable and not any("Tensor" in str(r.type) for r in schema.returns)
+        _QUERIES[func] = found
+    return found
+
+
 def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     written = []
     for i, arg in enumerate(func._schema.arguments):
@@ -327,7 +344,9 @@ class StorageTracker(TorchDispatchMode):
     # -- the mode ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        self._settle()
+        query = _is_query(func)
+        if not query:
+            self._settle()
         real = self._shadow_args(func, args, kwargs) if self.shadows else None
         try:
             out = func(*args, **kwargs)
@@ -339,6 +358,8 @@ class StorageTracker(TorchDispatchMode):
             with contextlib.suppress(Exception):
                 self._attach_shadows(out, self._run_shadow(func, *real), func, args, kwargs, real)
         self.recovery.observe(func, out)
+        if query:
+            return out
         # the Python stack that entered C++, only where a zero-fill is made or may be consumed
         site = _call_site(sys._getframe(1)) if func in _ZERO_FILLS or self._zero_fill is not None else ()
         self._in_place = self._in_place_source(func, args, site)
