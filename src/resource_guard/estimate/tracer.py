@@ -13,25 +13,10 @@ whose fake kernel fails otherwise (a data-dependent value nobody knows, a wrong 
 kernel) are recovered one by one by :class:`~resource_guard.estimate.recovery.Recovery`, which
 records what it did.
 
-Some operators run out of place only because the trace runs under a dispatch mode, where PyTorch's C++
-treats every tensor as a subclass (``isTensorSubclassLike``); the real step runs them in place:
-
-- autograd accumulates a gradient that fans in from several uses in place (``old.add_(new)``,
-  ``InputBuffer::accumulate``) when it holds the last reference, never for subclasses: the trace sees
-  a backward ``old + new`` of two same-shaped dense tensors (a recurrent model's gradients fan in once
-  per time step; without this a Mamba step came out 6-8% high);
-- ATen's composite functions fill a fresh zero buffer and update it in place, or out of place for
-  subclasses "for composite compliance": ``gather_backward`` is ``zeros.scatter_add_(…)`` for real and
-  ``zeros.scatter_add(…)`` in the trace, and so are the backward of indexing (``index_put``),
-  ``index_select`` (``index_add``), ``masked_select`` (``masked_scatter``) and ``take`` (``put``). The
-  trace sees a zero-fill (``zeros``, ``new_zeros``, ``zeros_like``) and, next, an out-of-place operator
-  with an in-place variant applied to it, both issued by one C++ call (the Python stack is the same).
-
-In both cases the operator's output takes over the buffer it was computed from if that buffer dies
-before the next operator (nothing else held it): the live total at the operator is counted without
-it, and the allocation events show one buffer, as the allocator saw it. A buffer that outlives the
-operator was a real copy and is counted as one. (A DeBERTa step, whose disentangled attention gathers
-from position scores 8x the size of the attention scores, came out 6% high in fp32.)
+Some operators run out of place only because the trace runs under a dispatch mode; the real step runs
+them in place (autograd's gradient accumulation, ATen's composites that fill a zero buffer):
+:mod:`~resource_guard.estimate.in_place` tells which, and the tracker lets such an operator's output
+take over its source's buffer when the source dies with the operator.
 """
 
 from __future__ import annotations
@@ -50,6 +35,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from resource_guard.estimate.in_place import (
+    ZERO_FILLS,
+    InPlace,
+    accumulates,
+    call_site,
+    has_in_place_variant,
+    is_query,
+    merge_events,
+)
 from resource_guard.estimate.recovery import Recovery
 from resource_guard.step.batching import SHADOW_MAX_NUMEL
 
@@ -66,8 +60,6 @@ CATEGORIES = (
 )
 _PHASE_CATEGORY = {"forward": "activations", "backward": "temporaries", "optimizer": "temporaries"}
 _aten = torch.ops.aten
-# zero-filled buffers that ATen's composites update in place, or out of place for subclasses
-_ZERO_FILLS = {_aten.zeros.default, _aten.new_zeros.default, _aten.zeros_like.default}
 
 
 @dataclass(frozen=True)
@@ -86,51 +78,6 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return t.untyped_storage()
     except (NotImplementedError, RuntimeError):  # sparse, nested or other storage-less tensors
         return None
-
-
-@dataclass
-class _InPlace:
-    """An operator whose output the real step writes into ``src``'s buffer, if ``src`` dies with it."""
-
-    src_key: int
-    src_uid: int
-    src_bytes: int
-    src_category: str
-    first_event: int  # index into the events where the operator's own events begin
-    out_uid: int | None = None
-
-
-def _call_site(frame: Any) -> tuple[tuple[Any, int], ...]:
-    """The Python stack from ``frame`` down: (code, last instruction) of every frame."""
-    site = []
-    while frame is not None:
-        site.append((frame.f_code, frame.f_lasti))
-        frame = frame.f_back
-    return tuple(site)
-
-
-def _has_in_place_variant(func: Any) -> bool:
-    if func._schema.is_mutable or not hasattr(func, "overloadpacket"):
-        return False
-    name = func.overloadpacket.__name__
-    return not name.endswith("_") and hasattr(_aten, name + "_")
-
-
-_QUERIES: dict[Any, bool] = {}
-
-
-def _is_query(func: Any) -> bool:
-    """Whether ``func`` only reads (``prim.device``, ``.item()``): no tensor out, nothing written.
-
-    Such calls come between an operator and the release of its inputs (autograd asks the output's
-    device), so they neither allocate nor mark a point where the live total is observed.
-    """
-    found = _QUERIES.get(func)
-    if found is None:
-        schema = func._schema
-        found = not schema.is_mutable and not any("Tensor" in str(r.type) for r in schema.returns)
-        _QUERIES[func] = found
-    return found
 
 
 def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -175,7 +122,7 @@ class StorageTracker(TorchDispatchMode):
         self.shadows: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.recovery = Recovery(self.shadows)
         self.record_timeline = record_timeline
-        self._in_place: _InPlace | None = None  # the current operator, if it may run in place for real
+        self._in_place: InPlace | None = None  # the current operator, if it may run in place for real
         self._deferred: tuple[Any, ...] | None = None  # its observation, made at the next operator
         self._zero_fill: tuple[int, int, tuple] | None = None  # (key, uid, call site) of the last op's zeros
         self._alias: dict[int, int] = {}  # uid of an output -> uid of the buffer it took over
@@ -256,20 +203,9 @@ class StorageTracker(TorchDispatchMode):
             self._record(key, op, scratch, *full)  # something else held the source: a real copy
         else:
             self._record(key, op, scratch, *in_place)
-            self._merge_events(pending)
-
-    def _merge_events(self, p: _InPlace) -> None:
-        """One buffer in the events for the source and the output that took it over."""
-        if p.out_uid is None:
-            return
-        tail = self.events[p.first_event :]
-        freed = next((i for i, (uid, d) in enumerate(tail) if uid == p.src_uid and d < 0), None)
-        born = next((i for i, (uid, d) in enumerate(tail) if uid == p.out_uid and d > 0), None)
-        if freed is None or born is None:
-            return
-        rest = [ev for i, ev in enumerate(tail) if i not in (freed, born)]
-        self.events[p.first_event :] = [(p.src_uid if uid == p.out_uid else uid, d) for uid, d in rest]
-        self._alias[p.out_uid] = p.src_uid
+            if merge_events(self.events, pending):
+                assert pending.out_uid is not None
+                self._alias[pending.out_uid] = pending.src_uid
 
     def _observe(self, key: str, op: str, scratch: int) -> None:
         if not self.recording:
@@ -344,7 +280,7 @@ class StorageTracker(TorchDispatchMode):
     # -- the mode ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        query = _is_query(func)
+        query = is_query(func)
         if not query:
             self._settle()
         real = self._shadow_args(func, args, kwargs) if self.shadows else None
@@ -361,17 +297,17 @@ class StorageTracker(TorchDispatchMode):
         if query:
             return out
         # the Python stack that entered C++, only where a zero-fill is made or may be consumed
-        site = _call_site(sys._getframe(1)) if func in _ZERO_FILLS or self._zero_fill is not None else ()
+        site = call_site(sys._getframe(1)) if func in ZERO_FILLS or self._zero_fill is not None else ()
         self._in_place = self._in_place_source(func, args, site)
         try:
             return self._after(func, args, kwargs, out)
         finally:
             self._in_place = None
 
-    def _in_place_source(self, func: Any, args: tuple, site: tuple) -> _InPlace | None:
+    def _in_place_source(self, func: Any, args: tuple, site: tuple) -> InPlace | None:
         """The input whose buffer the real ``func`` may write its output into (see the module notes)."""
         zero_fill, self._zero_fill = self._zero_fill, None
-        if func in _ZERO_FILLS:
+        if func in ZERO_FILLS:
             self._zero_fill = (-1, -1, site)  # its buffer is noted by _after, once tracked
             return None
         if not self.recording or not args or not isinstance(args[0], torch.Tensor):
@@ -379,9 +315,9 @@ class StorageTracker(TorchDispatchMode):
         src = args[0]
         accumulation = func is _aten.add.Tensor and self.phase.startswith("backward")
         if accumulation:
-            if not self._accumulates(src, args[1] if len(args) > 1 else None):
+            if not accumulates(src, args[1] if len(args) > 1 else None):
                 return None
-        elif zero_fill is None or site != zero_fill[2] or not _has_in_place_variant(func):
+        elif zero_fill is None or site != zero_fill[2] or not has_in_place_variant(func):
             return None
         st = _storage(src)
         entry = self._live.get(id(st)) if st is not None else None
@@ -389,16 +325,7 @@ class StorageTracker(TorchDispatchMode):
             return None
         if not accumulation and zero_fill is not None and (id(st), entry[2]) != zero_fill[:2]:
             return None
-        return _InPlace(id(st), entry[2], entry[0], entry[1], len(self.events))
-
-    @staticmethod
-    def _accumulates(old: torch.Tensor, new: Any) -> bool:
-        """Whether ``old + new`` may be autograd's gradient accumulation, run in place for real."""
-        if not isinstance(new, torch.Tensor):
-            return False
-        if old.shape != new.shape or old.dtype != new.dtype or old._base is not None:
-            return False
-        return old.is_contiguous()
+        return InPlace(id(st), entry[2], entry[0], entry[1], len(self.events))
 
     def _after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         extra = (
