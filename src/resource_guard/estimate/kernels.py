@@ -2,8 +2,10 @@
 
 On fake tensors only an operator's declared outputs are seen. A few real CPU kernels do more: oneDNN
 convolutions reorder their inputs into blocked layouts, batch-norm backward keeps an input-sized
-buffer, oneDNN's LSTM returns a workspace whose meta kernel says it is empty, and the CPU
-flash-attention kernels allocate per-thread accumulators. For these
+buffer, oneDNN's LSTM returns a workspace whose meta kernel says it is empty, the CPU
+flash-attention kernels allocate per-thread accumulators, and ATen's CPU scatter kernels accumulate a
+bf16/fp16 ``self`` in a float32 copy (``scatter_add_`` of a gather's backward: twice the bf16 gradient
+buffer) and ``masked_scatter`` keeps an index per mask element. For these
 operators the real kernel is *probed*: run once on real zero tensors of the same shapes (one
 operator's tensors, never the model's), its allocations read from torch.profiler's memory records,
 and the answer cached by shape. Probes are skipped above ``PROBE_BUDGET_BYTES``; then a rule of thumb
@@ -75,6 +77,23 @@ def _probed_ops() -> dict[Any, float]:
 
 _PROBED = _probed_ops()
 _CPU_ONLY = {getattr(_aten, name).default for name in _CPU_FLASH if hasattr(_aten, name)}
+
+
+def _scatter_ops() -> dict[Any, float]:
+    """ATen's CPU scatter-like kernels (every overload but ``out=``), with the rule-of-thumb scratch ×
+    ``self``'s bytes for float32: only ``masked_scatter`` keeps one (a 4-byte index per element);
+    reduced-precision ``self`` is accumulated in a float32 copy (2 × its bytes) by all of them."""
+    ops: dict[Any, float] = {}
+    for name in ("scatter", "scatter_add", "scatter_reduce", "index_add", "masked_scatter"):
+        for variant in (name, name + "_"):
+            packet = getattr(_aten, variant, None)
+            for overload in packet.overloads() if packet is not None else ():
+                if not overload.startswith("out"):
+                    ops[getattr(packet, overload)] = 1.0 if name == "masked_scatter" else 0.0
+    return ops
+
+
+_CPU_SCATTER = _scatter_ops()
 # oneDNN bf16/fp16 GEMMs on CPU pack operands into scratch: measured ~1.4x the largest operand
 _REDUCED_GEMM_FACTOR = 1.5
 
@@ -107,7 +126,9 @@ def _probe(
         tracked = size_of(a)
         if a.dim() == 1 and tracked is not None and tracked > _bytes_of(a):  # a workspace the fake kept empty
             return torch.zeros(tracked // a.element_size(), dtype=a.dtype)
-        return torch.zeros_like(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cpu"))
+        # the same layout, expanded (stride-0) dimensions included: some kernels take another path then
+        span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride())) if a.numel() else 0
+        return torch.zeros(span, dtype=a.dtype).as_strided(a.shape, a.stride())
 
     with _disable_current_modes():
         real_args, real_kwargs = tree_map(real, (args, kwargs))
@@ -232,6 +253,8 @@ def kernel_extra(
         return KernelExtra(max(extra.scratch_bytes, copied))
     if func in _CPU_ONLY and not cpu:
         return None
+    if func in _CPU_SCATTER:
+        return _scatter_extra(func, args, kwargs, out, size_of) if cpu else None
     factor = _PROBED.get(func)
     if factor is None:
         return None
@@ -239,6 +262,19 @@ def kernel_extra(
         # a CPU kernel in fp16/bf16 says nothing of cuDNN's workspace on the target, and runs very
         # slowly here (a small fp16 conv net took ~19 min to probe): the rule of thumb stands
         return _rule(args, kwargs, out, factor)
+    return _probe_or_rule(func, args, kwargs, out, size_of, factor)
+
+
+def _scatter_extra(
+    func: Any, args: tuple, kwargs: dict, out: Any, size_of: Callable[[torch.Tensor], int | None]
+) -> KernelExtra | None:
+    """A CPU scatter kernel's scratch: probed where its rule of thumb says it has any."""
+    self_ = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if self_ is None:
+        return None
+    factor = 2.0 if self_.dtype in (torch.bfloat16, torch.float16) else _CPU_SCATTER[func]
+    if not factor:
+        return None
     return _probe_or_rule(func, args, kwargs, out, size_of, factor)
 
 

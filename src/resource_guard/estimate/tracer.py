@@ -13,18 +13,17 @@ whose fake kernel fails otherwise (a data-dependent value nobody knows, a wrong 
 kernel) are recovered one by one by :class:`~resource_guard.estimate.recovery.Recovery`, which
 records what it did.
 
-Autograd accumulates a gradient that fans in from several uses *in place* (``old.add_(new)``,
-``InputBuffer::accumulate``) when it holds the last reference, but never for tensor subclasses or
-under a dispatch mode: the trace sees ``old + new`` with both buffers live. The tracker models the
-in-place case: a backward ``add`` of two same-shaped dense tensors is observed only after the next
-operator has started, when ``old`` is gone if nothing else held it (a recurrent model's gradients fan
-in once per time step; without this a Mamba step came out 6-8% high).
+Some operators run out of place only because the trace runs under a dispatch mode; the real step runs
+them in place (autograd's gradient accumulation, ATen's composites that fill a zero buffer):
+:mod:`~resource_guard.estimate.in_place` tells which, and the tracker lets such an operator's output
+take over its source's buffer when the source dies with the operator.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +35,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from resource_guard.estimate.in_place import (
+    ZERO_FILLS,
+    InPlace,
+    accumulates,
+    call_site,
+    has_in_place_variant,
+    is_query,
+    merge_events,
+)
 from resource_guard.estimate.recovery import Recovery
 from resource_guard.step.batching import SHADOW_MAX_NUMEL
 
@@ -114,8 +122,10 @@ class StorageTracker(TorchDispatchMode):
         self.shadows: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.recovery = Recovery(self.shadows)
         self.record_timeline = record_timeline
-        self._accumulating: int | None = None  # id(storage) of a gradient that may be accumulated in place
-        self._deferred: tuple[str, str, int] | None = None  # its observation, made at the next operator
+        self._in_place: InPlace | None = None  # the current operator, if it may run in place for real
+        self._deferred: tuple[Any, ...] | None = None  # its observation, made at the next operator
+        self._zero_fill: tuple[int, int, tuple] | None = None  # (key, uid, call site) of the last op's zeros
+        self._alias: dict[int, int] = {}  # uid of an output -> uid of the buffer it took over
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def track(self, t: torch.Tensor, category: str | None = None, *, nbytes: int | None = None) -> None:
@@ -163,7 +173,7 @@ class StorageTracker(TorchDispatchMode):
         self.totals[entry[1]] -= entry[0]
         self.total -= entry[0]
         if self.recording:
-            self.events.append((uid, -entry[0]))
+            self.events.append((self._alias.get(uid, uid), -entry[0]))
 
     def _resized(self, t: torch.Tensor) -> None:
         st = _storage(t)
@@ -176,7 +186,7 @@ class StorageTracker(TorchDispatchMode):
             self.totals[entry[1]] += delta
             self.total += delta
             if self.recording:
-                self.events.append((entry[2], delta))
+                self.events.append((self._alias.get(entry[2], entry[2]), delta))
 
     def start_phase(self, phase: str) -> None:
         self._settle()
@@ -185,23 +195,40 @@ class StorageTracker(TorchDispatchMode):
 
     def _settle(self) -> None:
         deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            self._observe(*deferred)
+        if deferred is None:
+            return
+        key, op, scratch, full, in_place, pending = deferred
+        entry = self._live.get(pending.src_key)
+        if entry is not None and entry[2] == pending.src_uid:
+            self._record(key, op, scratch, *full)  # something else held the source: a real copy
+        else:
+            self._record(key, op, scratch, *in_place)
+            if merge_events(self.events, pending):
+                assert pending.out_uid is not None
+                self._alias[pending.out_uid] = pending.src_uid
 
     def _observe(self, key: str, op: str, scratch: int) -> None:
         if not self.recording:
             return
-        if self._accumulating is not None and self._accumulating in self._live:
-            self._deferred = (key, op, scratch)  # seen once `old` had its chance to die
-            return
-        current = self.total + scratch
+        p = self._in_place
+        entry = self._live.get(p.src_key) if p is not None else None
+        if p is not None and p.out_uid is not None and entry is not None and entry[2] == p.src_uid:
+            totals = dict(self.totals)
+            totals[p.src_category] -= p.src_bytes
+            full = (self.total, dict(self.totals))
+            self._deferred = (key, op, scratch, full, (self.total - p.src_bytes, totals), p)
+            return  # seen once the source had its chance to die
+        self._record(key, op, scratch, self.total, self.totals)
+
+    def _record(self, key: str, op: str, scratch: int, total: int, totals: dict[str, int]) -> None:
+        current = total + scratch
         best = self.peaks.get(key)
         if best is None or current > best.bytes:
-            breakdown = dict(self.totals)
+            breakdown = dict(totals)
             breakdown["temporaries"] += scratch
             self.peaks[key] = PeakRecord(current, breakdown, self.phase, op, self.op_count)
         if self.record_timeline:
-            self.timeline.append((self.phase, tuple(self.totals.values())))
+            self.timeline.append((self.phase, tuple(totals.values())))
 
     def detach(self) -> None:
         """Stop reacting to storages that die after the trace."""
@@ -253,7 +280,9 @@ class StorageTracker(TorchDispatchMode):
     # -- the mode ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        self._settle()
+        query = is_query(func)
+        if not query:
+            self._settle()
         real = self._shadow_args(func, args, kwargs) if self.shadows else None
         try:
             out = func(*args, **kwargs)
@@ -265,25 +294,38 @@ class StorageTracker(TorchDispatchMode):
             with contextlib.suppress(Exception):
                 self._attach_shadows(out, self._run_shadow(func, *real), func, args, kwargs, real)
         self.recovery.observe(func, out)
-        self._accumulating = self._accumulation_target(func, args)
+        if query:
+            return out
+        # the Python stack that entered C++, only where a zero-fill is made or may be consumed
+        site = call_site(sys._getframe(1)) if func in ZERO_FILLS or self._zero_fill is not None else ()
+        self._in_place = self._in_place_source(func, args, site)
         try:
             return self._after(func, args, kwargs, out)
         finally:
-            self._accumulating = None
+            self._in_place = None
 
-    def _accumulation_target(self, func: Any, args: tuple) -> int | None:
-        """``id`` of ``old``'s storage if ``func`` may be autograd's gradient accumulation ``old + new``."""
-        if func is not _aten.add.Tensor or not self.phase.startswith("backward") or len(args) < 2:
+    def _in_place_source(self, func: Any, args: tuple, site: tuple) -> InPlace | None:
+        """The input whose buffer the real ``func`` may write its output into (see the module notes)."""
+        zero_fill, self._zero_fill = self._zero_fill, None
+        if func in ZERO_FILLS:
+            self._zero_fill = (-1, -1, site)  # its buffer is noted by _after, once tracked
             return None
-        old, new = args[0], args[1]
-        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)):
+        if not self.recording or not args or not isinstance(args[0], torch.Tensor):
             return None
-        if old.shape != new.shape or old.dtype != new.dtype or old._base is not None:
+        src = args[0]
+        accumulation = func is _aten.add.Tensor and self.phase.startswith("backward")
+        if accumulation:
+            if not accumulates(src, args[1] if len(args) > 1 else None):
+                return None
+        elif zero_fill is None or site != zero_fill[2] or not has_in_place_variant(func):
             return None
-        if not old.is_contiguous():
+        st = _storage(src)
+        entry = self._live.get(id(st)) if st is not None else None
+        if entry is None or st is None:
             return None
-        st = _storage(old)
-        return None if st is None else id(st)
+        if not accumulation and zero_fill is not None and (id(st), entry[2]) != zero_fill[:2]:
+            return None
+        return InPlace(id(st), entry[2], entry[0], entry[1], len(self.events))
 
     def _after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         extra = (
@@ -296,6 +338,7 @@ class StorageTracker(TorchDispatchMode):
         for i, t in enumerate(outputs):
             if isinstance(t, FakeTensor):
                 self.track(t, nbytes=sizes[i] if i < len(sizes) else None)
+        self._note_outputs(outputs)
         if func._schema.is_mutable:
             for t in _written_args(func, args, kwargs):
                 self._resized(t)
@@ -307,3 +350,17 @@ class StorageTracker(TorchDispatchMode):
             self.events.append((uid, -scratch))
         self._observe(self.phase, str(func), scratch)
         return out
+
+    def _note_outputs(self, outputs: list[torch.Tensor]) -> None:
+        """Complete the zero-fill or in-place records of this operator with its (single) output."""
+        st = _storage(outputs[0]) if len(outputs) == 1 else None
+        entry = self._live.get(id(st)) if st is not None else None
+        if self._zero_fill is not None:
+            self._zero_fill = None if entry is None else (id(st), entry[2], self._zero_fill[2])
+        p = self._in_place
+        if p is None:
+            return
+        if entry is None or entry[2] == p.src_uid or entry[0] != p.src_bytes:
+            return
+        if any(uid == entry[2] and d > 0 for uid, d in self.events[p.first_event :]):  # born here
+            p.out_uid = entry[2]
