@@ -229,6 +229,31 @@ def peft_lora() -> tuple[nn.Module, Any]:
     return _lm(model)
 
 
+def qlora() -> tuple[nn.Module, Any]:
+    """QLoRA: the decoder's linear layers quantized to bitsandbytes 4-bit NF4 (frozen), LoRA on top."""
+    import bitsandbytes as bnb
+    import peft
+    import transformers as T
+
+    cfg = T.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    model = T.LlamaForCausalLM(cfg)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    q = bnb.nn.Linear4bit(
+                        child.in_features, child.out_features, bias=child.bias is not None,
+                        compute_dtype=torch.float32, quant_type="nf4",
+                    )  # fmt: skip
+                    q.load_state_dict(child.state_dict())
+                    setattr(parent, name, q.to("cpu"))  # .to() quantizes
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    return _lm(model)
+
+
 FAMILIES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
     "mixtral": mixtral,
     "qwen2-moe": qwen2_moe,
@@ -246,6 +271,8 @@ FAMILIES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
 }
 if importlib.util.find_spec("peft") is not None:
     FAMILIES["peft-lora-llama"] = peft_lora
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        FAMILIES["qlora-4bit-llama"] = qlora
 _LOSS = {"compiled-mlp": _xent}
 
 

@@ -22,6 +22,7 @@ from resource_guard.devices import DeviceSpec, resolve_device
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import kernels as _kernels
 from resource_guard.estimate.analytic import analytic_estimate
+from resource_guard.estimate.composite import CompositeOps
 from resource_guard.estimate.cpu_support import CpuKernelSupport
 from resource_guard.estimate.fake_world import (
     AS_SET,
@@ -150,8 +151,10 @@ def _trace(
     # the forward runs as on the target: CUDA's autocast policy and attention kernels on a GPU target
     step_spec, step_loss_fn, forward = target_forward(target or Target(device_kind), spec, loss_fn)
     unsupported: list[CpuKernelSupport] = []
+    composite = CompositeOps(device_kind, cpu_autocast=step_spec.autocast_dtype)
     tracker = StorageTracker(
-        functools.partial(_kernels.kernel_extra, device_kind=device_kind, cpu_unsupported=unsupported)
+        functools.partial(_kernels.kernel_extra, device_kind=device_kind, cpu_unsupported=unsupported),
+        composite=composite,
     )
     fake_mode = _fake_mode()
     spans: list[tuple[str, int, int]] = []
@@ -202,7 +205,7 @@ def _trace(
     best, phase_peaks = _select(tracker, variant)
     params = {id(p): p for p in model.parameters()}.values()
     recovered = tracker.recovery.summary()
-    notes = [f"recovered {line}" for line in recovered]
+    notes = [f"recovered {line}" for line in recovered] + composite.notes()
     notes += [f"this CPU cannot run the step: {u.describe()}" for u in unsupported]
     keep = lambda ph: not ph.startswith("optimizer:") or ph == f"optimizer:{variant}"  # noqa: E731
     persistent = sum(best.breakdown[c] for c in ("parameters", "optimizer_state", "other"))
@@ -278,7 +281,8 @@ def estimate_memory(
         except Exception as exc:  # the step cannot continue past an operator: fall back, as an upper bound
             reason = f"tracing failed ({type(exc).__name__}: {_first_line(exc)})"
             warnings.warn(f"{reason}; analytic upper bound", ResourceGuardWarning, stacklevel=2)
-            est = analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
+            with torch_logs_silenced():  # the bound's own fake optimizer step may fail the same way
+                est = analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
             est = dataclasses.replace(est, assumed_target=f"as on {target.describe()}, {spec.name}")
     return dataclasses.replace(est, warnings=unwrapped + est.warnings) if unwrapped else est
 

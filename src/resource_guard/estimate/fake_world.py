@@ -12,7 +12,7 @@ import dataclasses
 import random
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from resource_guard.errors import ConfigurationError
+from resource_guard.estimate.attached import attached_tensors
 from resource_guard.estimate.attention import attention_for
 from resource_guard.estimate.cuda_autocast import CudaAutocast
 from resource_guard.estimate.target import Target
@@ -37,6 +38,7 @@ __all__ = [
     "FOREACH",
     "FOR_LOOP",
     "AS_SET",
+    "FakeModel",
     "FakeStep",
     "fake_like",
     "fake_scalar",
@@ -57,12 +59,46 @@ def fake_copy(model: nn.Module, batch: Any) -> tuple[nn.Module, Any]:
 
     Call inside a ``FakeTensorMode``; the model and batch are untouched (for counting FLOPs).
     """
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(fake_like(p, p.dtype), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = fake_like(b, b.dtype)
-    return copy.deepcopy(model, memo), map_tensors(lambda t: fake_like(t, t.dtype), batch)
+    fake = FakeModel(model, lambda t: t.dtype)
+    return fake.model, map_tensors(lambda t: fake_like(t, t.dtype), batch)
+
+
+class FakeModel:
+    """A deep copy of ``model`` over fake tensors: its parameters (their attributes, e.g. a quantized
+    weight's ``quant_state``, copied onto the fakes), buffers, and the tensors it holds outside them
+    (:func:`~resource_guard.estimate.attached.attached_tensors`). ``dtype_of`` gives each parameter's
+    and buffer's dtype; attached tensors keep theirs. Build inside a ``FakeTensorMode``.
+    """
+
+    def __init__(self, model: nn.Module, dtype_of: Callable[[torch.Tensor], torch.dtype]) -> None:
+        memo: dict[int, Any] = {}
+        self.attached: list[tuple[torch.Tensor, str]] = []
+        aliases: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for a in attached_tensors(model):
+            if a.alias_of is not None and a.tensor.dtype == dtype_of(a.alias_of):
+                aliases.append((a.tensor, a.alias_of))
+            else:
+                memo[id(a.tensor)] = fake = fake_like(a.tensor, a.tensor.dtype)
+                self.attached.append((fake, a.owner))
+        self.params: list[nn.Parameter] = []
+        attributed: list[tuple[nn.Parameter, nn.Parameter]] = []
+        for p in model.parameters():
+            fp = nn.Parameter(fake_like(p, dtype_of(p)), requires_grad=p.requires_grad)
+            if vars(p):  # a fake tensor cannot be of a parameter subclass: it gets the attributes
+                attributed.append((p, fp))
+            memo[id(p)] = fp
+            self.params.append(fp)
+        self.buffers: list[torch.Tensor] = []
+        for b in model.buffers():
+            memo[id(b)] = fb = fake_like(b, dtype_of(b))
+            self.buffers.append(fb)
+        for t, base in aliases:  # the same bytes as a fake parameter or buffer: a view of it
+            memo[id(t)] = memo[id(base)].detach().as_strided(t.shape, t.stride(), t.storage_offset())
+        self.model: nn.Module = copy.deepcopy(model, memo)
+        for p, fp in attributed:  # after the model: an attribute naming its module finds the copy
+            with contextlib.suppress(Exception):  # one that cannot be copied is left off, as before
+                fp.__dict__.update(copy.deepcopy(vars(p), memo))
+        self.memo = memo
 
 
 def fake_scalar(t: torch.Tensor) -> torch.Tensor:
@@ -88,19 +124,11 @@ class FakeStep:
         def dtype_of(t: torch.Tensor) -> torch.dtype:
             return cast if cast is not None and t.is_floating_point() else t.dtype
 
-        memo: dict[int, Any] = {}
-        self.params: list[nn.Parameter] = []
-        for p in model.parameters():
-            fp = nn.Parameter(fake_like(p, dtype_of(p)), requires_grad=p.requires_grad)
-            memo[id(p)] = fp
-            self.params.append(fp)
-        self.buffers: list[torch.Tensor] = []
-        for b in model.buffers():
-            memo[id(b)] = fb = fake_like(b, dtype_of(b))
-            self.buffers.append(fb)
-        self.model = copy.deepcopy(model, memo)
+        fake = FakeModel(model, dtype_of)
+        self.params, self.buffers, self.model = fake.params, fake.buffers, fake.model
         self.model.train()
 
+        memo = fake.memo  # the optimizer's parameters are the fake model's
         if isinstance(optimizer, torch.optim.Optimizer):
             for st in optimizer.state.values():
                 for v in st.values():
@@ -130,6 +158,8 @@ class FakeStep:
                 p.register_post_accumulate_grad_hook(lambda q: tracker.track(q.grad, "gradients"))
         for b in self.buffers:
             tracker.track(b, "other")
+        for t, owner in fake.attached:  # a quantized weight's scales count with the weight
+            tracker.track(t, "parameters" if owner == "parameter" else "other")
 
     def optimizer_variants(self) -> dict[str, bool | None]:
         groups = self.optimizer.param_groups

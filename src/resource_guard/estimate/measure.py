@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from resource_guard.estimate.attached import attached_tensors
 from resource_guard.estimate.quiet import quiet_profile
 from resource_guard.step.precision import parse_precision
 from resource_guard.step.training import LossFn, iter_tensors, training_step
@@ -38,12 +39,14 @@ class MeasuredStep:
 
 
 def live_bytes(*objects: Any) -> int:
-    """Bytes of the distinct storages behind the tensors in ``objects`` (modules, optimizers, batches)."""
+    """Bytes of the distinct storages behind the tensors in ``objects`` (modules, optimizers, batches);
+    a module's include the tensors it holds outside its parameters and buffers."""
     seen: dict[int, int] = {}
     for obj in objects:
         if isinstance(obj, nn.Module):
             tensors: list[torch.Tensor] = [*obj.parameters(), *obj.buffers()]
             tensors += [p.grad for p in obj.parameters() if p.grad is not None]
+            tensors += [a.tensor for a in attached_tensors(obj)]  # e.g. a quantized weight's scales
         elif isinstance(obj, torch.optim.Optimizer):
             tensors = [v for st in obj.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         else:

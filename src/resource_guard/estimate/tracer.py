@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from resource_guard.estimate.composite import CompositeOps
 from resource_guard.estimate.in_place import (
     ZERO_FILLS,
     InPlace,
@@ -99,6 +100,7 @@ class StorageTracker(TorchDispatchMode):
         kernel_extra: ``(func, args, kwargs, out, size_of) -> KernelExtra | None``: scratch memory the real
             kernel allocates and frees inside the operator, and its true output sizes.
         record_timeline: keep the live total by category after every operator.
+        composite: the custom operators to run through their composite kernel (``None``: none).
     """
 
     def __init__(
@@ -106,9 +108,11 @@ class StorageTracker(TorchDispatchMode):
         kernel_extra: Callable[..., Any] | None = None,
         *,
         record_timeline: bool = True,
+        composite: CompositeOps | None = None,
     ) -> None:
         super().__init__()
         self._kernel_extra = kernel_extra
+        self.composite = composite
         self._live: dict[int, list[Any]] = {}  # id(storage) -> [nbytes, category, uid]
         self._uids = itertools.count()
         self.totals = dict.fromkeys(CATEGORIES, 0)
@@ -284,8 +288,11 @@ class StorageTracker(TorchDispatchMode):
         if not query:
             self._settle()
         real = self._shadow_args(func, args, kwargs) if self.shadows else None
+        ran, out = False, None
+        if self.composite is not None:
+            ran, out = self.composite.run(func, self, args, kwargs, in_forward=self.phase == "forward")
         try:
-            out = func(*args, **kwargs)
+            out = out if ran else func(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - recovered per operator, or re-raised by `recover`
             out = self.recovery.recover(func, args, kwargs, exc)
             real = None  # an exact recovery attached the outputs' shadows itself
