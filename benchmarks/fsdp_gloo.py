@@ -118,7 +118,7 @@ def measured(strategy: str) -> int:
 
 def predicted(strategy: str) -> int:
     from resource_guard.estimate import estimate_memory
-    from resource_guard.planning.sharding import fsdp_precision, trace_spec
+    from resource_guard.estimate.sharding import fsdp_precision, trace_spec
     from resource_guard.planning.strategy import rank_memory, unit_param_bytes
 
     model = Net()

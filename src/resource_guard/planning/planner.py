@@ -33,7 +33,7 @@ The rules, each covered by a test:
    are both sized per rank (:mod:`resource_guard.planning.strategy`); the cheaper that fits wins.
    ``strategy="fsdp_grad_op"`` (ZeRO-2) and ``"hsdp"`` (sharded within ``gpus_per_node``) are sized
    when asked for. FSDP's precision is its own mixed-precision policy (``fsdp_mixed_precision``,
-   :mod:`resource_guard.planning.sharding`): by default 16-bit parameters gathered per unit, fp32
+   :mod:`resource_guard.estimate.sharding`): by default 16-bit parameters gathered per unit, fp32
    sharded master and optimizer state, as Lightning's ``FSDPStrategy`` does; ``"autocast"`` models
    fp32 parameters under autocast and says what the 16-bit policy would save.
 8. **Verdict**: ``Plan.verdict`` is ``"fits"``, or ``"fits tight"`` when a configuration is only
@@ -90,7 +90,7 @@ from resource_guard.planning.search import (
     render_table,
     search_largest,
 )
-from resource_guard.planning.sharding import FsdpPrecision, autocast_copy_bytes, fsdp_precision
+from resource_guard.estimate.sharding import FsdpPrecision, autocast_copy_bytes, fsdp_precision
 from resource_guard.planning.strategy import GPUS_PER_NODE, SHARDED, STRATEGIES, RankMemory, unit_param_bytes
 from resource_guard.step.batching import divisors
 from resource_guard.step.precision import parse_precision
