@@ -38,7 +38,8 @@ class MeasuredStep:
 
 
 def live_bytes(*objects: Any) -> int:
-    """Bytes of the distinct storages behind the tensors in ``objects`` (modules, optimizers, batches)."""
+    """Bytes of the distinct storages behind the tensors in ``objects`` (modules, optimizers, batches);
+    of a DTensor, this rank's local shard."""
     seen: dict[int, int] = {}
     for obj in objects:
         if isinstance(obj, nn.Module):
@@ -49,6 +50,8 @@ def live_bytes(*objects: Any) -> int:
         else:
             tensors = iter_tensors(obj)
         for t in tensors:
+            if callable(getattr(t, "to_local", None)):  # a DTensor (FSDP2): this rank's shard
+                t = t.to_local()
             st = t.untyped_storage()
             seen[st.data_ptr() or id(st)] = st.nbytes()
     return sum(seen.values())

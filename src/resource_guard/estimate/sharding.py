@@ -237,6 +237,8 @@ class RankPeak:
         breakdown: ``bytes`` by category (keys: ``CATEGORIES``); gathered units count as parameters,
             the unit's unsharded gradient and its reduce copy as gradients.
         notes: the policy and the sharding, as summaries print them.
+        phase_bytes: the rank's peak in each phase.
+        persistent_bytes: the parameter and optimizer-state shards (kept between steps).
     """
 
     bytes: int
@@ -244,6 +246,8 @@ class RankPeak:
     state_bytes: int
     breakdown: dict[str, int]
     notes: tuple[str, ...]
+    phase_bytes: dict[str, int]
+    persistent_bytes: int
 
 
 def sharded_rank_bytes(
@@ -269,7 +273,7 @@ def sharded_rank_peak(
     shard_world: int,
     sharding: str = "full",
     *,
-    resident: int = 0,
+    resident: Sequence[int] = (),
 ) -> RankPeak:
     """One rank's peak under an FSDP policy, and its breakdown by category.
 
@@ -280,8 +284,9 @@ def sharded_rank_peak(
             next one prefetched) at a time.
         shard_world: the ranks a unit is sharded over (the node for ``"hybrid"``).
         sharding: one of :data:`SHARDINGS`.
-        resident: unsharded bytes gathered for the whole forward and backward on top of ``units``:
-            FSDP2 units that do not reshard after forward (the root by default).
+        resident: unsharded sizes (``param_dtype`` bytes) of the units gathered for the whole
+            forward and backward, on top of ``units``: FSDP2 units that do not reshard after forward
+            (the root by default).
     """
     if sharding not in SHARDINGS:
         raise ConfigurationError(f"`sharding={sharding!r}` must be one of {', '.join(SHARDINGS)}")
@@ -293,15 +298,17 @@ def sharded_rank_peak(
     state = params_rank + grads_rank + optim_rank
     ranked = sorted(units, reverse=True) or [0]
     largest = ranked[0]
+    kept = sum(resident)
+    largest_grad = max([largest, *resident])  # each unit's gradient is unsharded in its own backward
     if n == 1 and not policy.gathers_low_precision:  # one rank, one dtype: nothing is gathered or copied
         gathered_fwd = gathered_bwd = grad_unit = 0
     else:
         two = largest + (ranked[1] if len(ranked) > 1 else 0)
         # SHARD_GRAD_OP / reshard_after_forward=False: every unit stays gathered from its forward on
-        gathered_fwd = (sum(ranked) if sharding == "grad_op" else two) + resident
+        gathered_fwd = (sum(ranked) if sharding == "grad_op" else two) + kept
         gathered_bwd = gathered_fwd
-        reduce_copy = largest * policy.reduce_dtype.itemsize // policy.param_dtype.itemsize
-        grad_unit = largest + (reduce_copy if policy.reduce_dtype != policy.param_dtype else 0)
+        reduce_copy = largest_grad * policy.reduce_dtype.itemsize // policy.param_dtype.itemsize
+        grad_unit = largest_grad + (reduce_copy if policy.reduce_dtype != policy.param_dtype else 0)
     gathered = {"forward": gathered_fwd, "backward": gathered_bwd, "optimizer": 0}
     unit_grad = {"forward": 0, "backward": grad_unit, "optimizer": 0}
     # (total, gradient bytes, transient bytes by category) of the highest moment of each phase
@@ -330,10 +337,11 @@ def sharded_rank_peak(
     breakdown["parameters"] = params_rank + gathered[phase]
     breakdown["gradients"] = grad_bytes
     breakdown["optimizer_state"] = optim_rank
-    gathered_note = f" and {resident} bytes kept gathered" if resident else ""
+    gathered_note = f", and {len(resident)} kept gathered ({kept} bytes)" if resident else ""
     notes = (
         policy.describe(),
         f"{sharding} shard over {n}: {len(ranked)} units, largest {largest} bytes gathered in "
         f"{str(policy.param_dtype).removeprefix('torch.')}{gathered_note}",
     )
-    return RankPeak(total, phase, state, breakdown, notes)
+    phase_bytes = {ph: v[0] for ph, v in best.items()}
+    return RankPeak(total, phase, state, breakdown, notes, phase_bytes, params_rank + optim_rank)
