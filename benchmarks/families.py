@@ -326,7 +326,7 @@ def _sharded_rank(rank: int, name: str, precision: str, path: str, port: int) ->
         if rank == 0:
             with native_stderr_silenced():
                 est = estimate_memory(model, opt, batch, precision=precision, device="cpu")
-            lines = [str(est.peak_bytes), est.method, est.assumed_target, *est.warnings]
+            lines = [str(est.peak_bytes), est.method, est.layout.describe(), *est.warnings]  # type: ignore[attr-defined]
         truth = measure_training_step(model, opt, batch, precision=precision)
         if rank == 0:
             with open(path, "w") as f:
@@ -346,9 +346,9 @@ def run_sharded(name: str, precision: str) -> dict[str, Any]:
             port = sock.getsockname()[1]
         mp.spawn(_sharded_rank, args=(name, precision, path, port), nprocs=FSDP_RANKS)
         with open(path) as f:
-            true, est, method, target, *notes = f.read().split("\n")
+            true, est, method, sharding, *notes = f.read().split("\n")
     row: dict[str, Any] = {"case": f"{name}/{precision}", "true": int(true), "est": int(est)}
-    row.update(method=method, recovered=(), notes=(target, *notes))
+    row.update(method=method, recovered=(), notes=tuple(notes), sharding=sharding)
     row["error_pct"] = 100.0 * (row["est"] - row["true"]) / row["true"]
     return row
 
@@ -380,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows.append(row)
             what = row["method"] + (": " + "; ".join(row["recovered"]) if row["recovered"] else "")
+            what += f" ({row['sharding']}, rank 0)" if "sharding" in row else ""
             print(
                 f"{row['case']:<28} {row['true'] / 1024:>10.1f} {row['est'] / 1024:>10.1f} "
                 f"{row['error_pct']:>+7.2f}%  {what}",

@@ -23,8 +23,6 @@ from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import kernels as _kernels
 from resource_guard.estimate.analytic import analytic_estimate
 from resource_guard.estimate.cpu_support import CpuKernelSupport
-from resource_guard.estimate.fsdp2 import is_fsdp1, is_fully_sharded, sharded_layout, unsharded_copy
-from resource_guard.estimate.fsdp2_step import RankBuffers, per_rank
 from resource_guard.estimate.fake_world import (
     AS_SET,
     FOR_LOOP,
@@ -33,6 +31,8 @@ from resource_guard.estimate.fake_world import (
     isolated_global_state,
     target_forward,
 )
+from resource_guard.estimate.fsdp2 import is_fsdp1, is_fully_sharded, sharded_layout, unsharded_copy
+from resource_guard.estimate.fsdp2_step import RankBuffers, per_rank
 from resource_guard.estimate.quiet import torch_logs_silenced
 from resource_guard.estimate.recovery import fake_mode as _fake_mode
 from resource_guard.estimate.recovery import fake_numpy
@@ -56,9 +56,9 @@ def _check_inputs(
         raise ConfigurationError(f"`{who}(model=...)` must be a torch.nn.Module, got {type(model).__name__}.")
     if who != "estimate_memory" and is_fully_sharded(model):
         raise ConfigurationError(
-            f"`{who}(model=...)`: {type(model).__name__} is already sharded by fully_shard, and {who} chooses "
-            "the strategy itself: pass the module before fully_shard (estimate_memory takes the sharded "
-            "module and gives its per-rank step)."
+            f"`{who}(model=...)`: {type(model).__name__} is already sharded by fully_shard, and {who} "
+            "chooses the strategy itself: pass the module before fully_shard (estimate_memory takes the "
+            "sharded module and gives its per-rank step)."
         )
     params = list(model.parameters())
     if not params:

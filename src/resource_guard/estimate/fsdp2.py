@@ -3,19 +3,33 @@
 A module that ``torch.distributed.fsdp.fully_shard`` has sharded holds DTensor parameters (global
 shape and dtype, a local shard) and, per unit (each module ``fully_shard`` was applied to), a
 ``MixedPrecisionPolicy``, a mesh and whether it reshards after forward. The estimate reads those
-from the module (:func:`sharded_layout`; the user does not repeat them), traces the unsharded step
-on fake tensors built from the global shapes (:func:`unsharded_copy`: nothing is gathered and
-nothing of model size allocated) with the parameters in the gathered ``param_dtype``, buffers in
-their own dtype and floating inputs cast at each unit as FSDP2 casts them, and converts the trace
-to one rank's peak (:func:`~resource_guard.estimate.sharding.sharded_rank_peak`): the master,
-gradient and optimizer-state shards (the optimizer's state is per parameter, so a rank holds that
-of its shards), one unit gathered at a time in forward and two in backward (the next one
-prefetched), the units that stay gathered (the root, whose ``reshard_after_forward`` FSDP2 turns
-off), the unit's unsharded gradient and its reduce-scatter copy in ``reduce_dtype``.
+from the module (:func:`sharded_layout`; the user does not repeat them) and traces the step of an
+unsharded copy built from the global shapes (:func:`unsharded_copy`: nothing is gathered, nothing
+of model size allocated), with the parameters in the gathered ``param_dtype``, buffers in their own
+dtype, and hooks on each unit that cast its inputs and outputs as FSDP2 does and allocate one rank's
+gathered parameters and reduce-scatter buffers in FSDP2's order
+(:class:`~resource_guard.estimate.fsdp2_step.RankBuffers`). The trace is then divided into one
+rank's share (:func:`~resource_guard.estimate.fsdp2_step.per_rank`): master, gradient and
+optimizer-state shards (the optimizer's state is per parameter, so a rank holds that of its shards).
 
 Not handled, refused with the remedy: FSDP1 ``FullyShardedDataParallel``, tensor-parallel meshes
 (placements other than ``Shard(0)``/``Replicate()``), CPU offload, parameters that ``fully_shard``
-ignored, and units with different mixed-precision policies.
+ignored, and units with different mixed-precision policies, parameter dtypes or meshes.
+
+Example (one rank of gloo here; on N GPUs the same call on any rank gives that rank's step):
+    >>> import tempfile, torch, torch.distributed as dist
+    >>> from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    >>> from resource_guard import estimate_memory
+    >>> store = tempfile.NamedTemporaryFile(delete=False).name
+    >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    >>> model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    >>> policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    >>> _ = fully_shard(model[0], mp_policy=policy), fully_shard(model, mp_policy=policy)
+    >>> est = estimate_memory(model, torch.optim.AdamW(model.parameters()), torch.randn(32, 64),
+    ...                       lambda m, b: m(b).float().square().mean())
+    >>> est.layout.describe()
+    'FSDP2 fully_shard over 1 rank, param_dtype bf16, reduce_dtype bf16, per-rank'
+    >>> dist.destroy_process_group()
 """
 
 from __future__ import annotations
@@ -93,7 +107,7 @@ class ShardedLayout:
 
     def describe(self) -> str:
         """``"FSDP2 fully_shard over 2 ranks, param_dtype bf16, reduce_dtype bf16, per-rank"``."""
-        ranks = f"{self.world_size} ranks" + (
+        ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}" + (
             f" ({self.replicas} replicas of {self.shard_world})" if self.replicas > 1 else ""
         )
         out = f", output_dtype {_short(self.output_dtype)}" if self.output_dtype is not None else ""
@@ -133,7 +147,9 @@ def _fsdp_module_class() -> type | None:
 def is_fully_sharded(model: Any) -> bool:
     """Whether ``model`` or one of its submodules was sharded by FSDP2's ``fully_shard``."""
     cls = _fsdp_module_class()
-    return cls is not None and isinstance(model, nn.Module) and any(isinstance(m, cls) for m in model.modules())
+    return (
+        cls is not None and isinstance(model, nn.Module) and any(isinstance(m, cls) for m in model.modules())
+    )
 
 
 def is_fsdp1(model: Any) -> bool:
@@ -170,7 +186,9 @@ def _unit_groups(module: nn.Module) -> list[_Group]:
         reshards = after is not None and after.shard_mesh_size == g.mesh_info.shard_mesh_size
         offloads = type(g.offload_policy).__name__ == "CPUOffloadPolicy"
         auto = bool(getattr(state, "_auto_reshard_after_forward", False))
-        out.append(_Group(g.mp_policy, reshards, auto, offloads, tuple(fp.sharded_param for fp in g.fsdp_params)))
+        out.append(
+            _Group(g.mp_policy, reshards, auto, offloads, tuple(fp.sharded_param for fp in g.fsdp_params))
+        )
     return out
 
 
@@ -237,7 +255,9 @@ def sharded_layout(model: nn.Module) -> ShardedLayout:
             master = next((p.dtype for p in g.params if p.is_floating_point()), torch.float32)
             param_dtype = g.mp_policy.param_dtype or master
             reduce_dtype = g.mp_policy.reduce_dtype or param_dtype
-            policies.add((param_dtype, reduce_dtype, g.mp_policy.output_dtype, g.mp_policy.cast_forward_inputs))
+            policies.add(
+                (param_dtype, reduce_dtype, g.mp_policy.output_dtype, g.mp_policy.cast_forward_inputs)
+            )
             masters.update(p.dtype for p in g.params if p.is_floating_point())
             meshes.update(_mesh_sizes(p) for p in g.params)
             nbytes += sum(
@@ -269,11 +289,11 @@ def _is_fsdp_hook(hook: Any) -> bool:
     return str(getattr(fn, "__module__", "")).startswith("torch.distributed.fsdp")
 
 
-def _plain_class(module: nn.Module, fsdp_cls: type) -> type:
+def _plain_class(module: nn.Module, fsdp_cls: type) -> type[nn.Module]:
     cls = type(module)
     if not isinstance(module, fsdp_cls):
         return cls
-    return next(c for c in cls.__mro__[1:] if not issubclass(c, fsdp_cls))
+    return next(c for c in cls.__mro__[1:] if issubclass(c, nn.Module) and not issubclass(c, fsdp_cls))
 
 
 def unsharded_copy(
@@ -303,7 +323,7 @@ def unsharded_copy(
         if id(module) in copies:
             return copies[id(module)]
         cls = _plain_class(module, fsdp_cls)
-        new = cls.__new__(cls)
+        new = object.__new__(cls)  # the module's own class, without FSDP's (no __init__: state copied)
         copies[id(module)] = new
         state: dict[str, Any] = {}
         for key, value in module.__dict__.items():
@@ -312,7 +332,9 @@ def unsharded_copy(
             if key.endswith("hooks") and isinstance(value, dict):
                 value = collections.OrderedDict((k, h) for k, h in value.items() if not _is_fsdp_hook(h))
             state[key] = value
-        state["_parameters"] = {k: None if p is None else params[id(p)] for k, p in module._parameters.items()}
+        state["_parameters"] = {
+            k: None if p is None else params[id(p)] for k, p in module._parameters.items()
+        }
         state["_buffers"] = dict(module._buffers)
         state["_modules"] = {k: None if c is None else plain(c) for k, c in module._modules.items()}
         new.__dict__.update(state)

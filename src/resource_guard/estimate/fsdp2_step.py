@@ -68,6 +68,12 @@ class ShardedEstimate(MemoryEstimate):
     unsharded: MemoryEstimate | None = dataclasses.field(default=None, repr=False)
     allocator_overhead: tuple[int, int] | None = None
 
+    @property
+    def method_line(self) -> str:
+        """The method, and that the figures are one rank's of FSDP2's sharding."""
+        line = super().method_line
+        return f"{line}; {self.layout.describe()}" if self.layout is not None else line
+
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward marks the unit's backward as done (as FSDP2's
@@ -164,7 +170,9 @@ class RankBuffers:
             if i not in self._modules:
                 self._modules[i] = module
                 for p in self._params(i):
-                    if p.requires_grad:  # unsharded until the unit's post-backward (after the estimate's hook)
+                    if (
+                        p.requires_grad
+                    ):  # unsharded until the unit's post-backward (after the estimate's hook)
                         p.register_post_accumulate_grad_hook(self._unsharded_grad)
             self._gather(i, forward=True)
             needing = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
@@ -266,4 +274,6 @@ def per_rank(estimate: MemoryEstimate, layout: ShardedLayout, spec: PrecisionSpe
         initial_allocations=(),
         assumed_target=f"{estimate.assumed_target}; {what}",
     )
-    return ShardedEstimate(**fields, layout=layout, unsharded=estimate, allocator_overhead=rank_overhead(estimate))
+    return ShardedEstimate(
+        **fields, layout=layout, unsharded=estimate, allocator_overhead=rank_overhead(estimate)
+    )

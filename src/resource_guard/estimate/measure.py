@@ -50,8 +50,9 @@ def live_bytes(*objects: Any) -> int:
         else:
             tensors = iter_tensors(obj)
         for t in tensors:
-            if callable(getattr(t, "to_local", None)):  # a DTensor (FSDP2): this rank's shard
-                t = t.to_local()
+            to_local = getattr(t, "to_local", None)
+            if callable(to_local):  # a DTensor (FSDP2): this rank's shard
+                t = to_local()
             st = t.untyped_storage()
             seen[st.data_ptr() or id(st)] = st.nbytes()
     return sum(seen.values())

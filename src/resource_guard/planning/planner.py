@@ -76,6 +76,7 @@ from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import DeviceFit, MemoryEstimate
 from resource_guard.estimate.estimator import _check_inputs
 from resource_guard.estimate.result import ANALYTIC
+from resource_guard.estimate.sharding import FsdpPrecision, autocast_copy_bytes, fsdp_precision
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.planning.nofit import NoFitReport, batch_reasons, no_fit_error
 from resource_guard.planning.search import (
@@ -90,7 +91,6 @@ from resource_guard.planning.search import (
     render_table,
     search_largest,
 )
-from resource_guard.estimate.sharding import FsdpPrecision, autocast_copy_bytes, fsdp_precision
 from resource_guard.planning.strategy import GPUS_PER_NODE, SHARDED, STRATEGIES, RankMemory, unit_param_bytes
 from resource_guard.step.batching import divisors
 from resource_guard.step.precision import parse_precision

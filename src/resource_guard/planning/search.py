@@ -17,8 +17,8 @@ from torch import nn
 from resource_guard.estimate import MemoryEstimate
 from resource_guard.estimate.allocator import rank_overhead
 from resource_guard.estimate.blocks import SAMPLE_BLOCKS, estimate_by_blocks, sampleable
-from resource_guard.planning.checkpointing import apply_checkpointing
 from resource_guard.estimate.sharding import FsdpPrecision, trace_spec
+from resource_guard.planning.checkpointing import apply_checkpointing
 from resource_guard.planning.strategy import (
     GPUS_PER_NODE,
     SHARDED,

@@ -52,7 +52,6 @@ from torch import nn
 from resource_guard.errors import ConfigurationError
 from resource_guard.estimate import CATEGORIES
 from resource_guard.estimate.allocator import rank_device_fit, rank_overhead
-from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.estimate.sharding import (
     FsdpPrecision,
     PhasePeaks,
@@ -62,6 +61,7 @@ from resource_guard.estimate.sharding import (
     sharded_rank_bytes,
     timeline_points,
 )
+from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.step.precision import parse_precision
 
 if TYPE_CHECKING:
