@@ -5,7 +5,8 @@ loss (wav2vec2), detection with a set-based loss (DETR: Hungarian matching throu
 DeBERTa-v2, Swin, ConvNeXt, MobileNetV2, Whisper, BART, a ``torch.compile``'d model (the eager step
 of the compiled module is estimated, and the estimate says so), peft LoRA where peft is installed,
 and an FSDP2-sharded LLaMA on 2 real gloo CPU ranks (``fully_shard`` per decoder layer and the root;
-rank 0 estimates its sharded module, then both ranks train and rank 0 measures its own step), each
+rank 0 estimates its sharded module, then both ranks train and rank 0 measures its own step: the
+smallest of three, the largest shown beside it), each
 in 32-true and bf16-mixed (FSDP2: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
 with autocast on top). For every case: the estimate's method (traced,
 traced-recovered or analytic), which operators were recovered, and the error against
@@ -327,10 +328,13 @@ def _sharded_rank(rank: int, name: str, precision: str, path: str, port: int) ->
             with native_stderr_silenced():
                 est = estimate_memory(model, opt, batch, precision=precision, device="cpu")
             lines = [str(est.peak_bytes), est.method, est.layout.describe(), *est.warnings]  # type: ignore[attr-defined]
-        truth = measure_training_step(model, opt, batch, precision=precision)
+        # The smallest of three measured steps (the largest is shown beside it): in some runs a free of
+        # one reduce-scatter-sized buffer is missing from the profiler's records within the step (the
+        # step ends that much above where it began), likely one done on a gloo worker thread.
+        peaks = [measure_training_step(model, opt, batch, precision=precision).peak_bytes for _ in range(3)]
         if rank == 0:
             with open(path, "w") as f:
-                f.write("\n".join([str(truth.peak_bytes), *lines]))
+                f.write("\n".join([str(min(peaks)), str(max(peaks)), *lines]))
     finally:
         dist.destroy_process_group()
 
@@ -346,9 +350,9 @@ def run_sharded(name: str, precision: str) -> dict[str, Any]:
             port = sock.getsockname()[1]
         mp.spawn(_sharded_rank, args=(name, precision, path, port), nprocs=FSDP_RANKS)
         with open(path) as f:
-            true, est, method, sharding, *notes = f.read().split("\n")
+            true, most, est, method, sharding, *notes = f.read().split("\n")
     row: dict[str, Any] = {"case": f"{name}/{precision}", "true": int(true), "est": int(est)}
-    row.update(method=method, recovered=(), notes=tuple(notes), sharding=sharding)
+    row.update(method=method, recovered=(), notes=tuple(notes), sharding=sharding, true_max=int(most))
     row["error_pct"] = 100.0 * (row["est"] - row["true"]) / row["true"]
     return row
 
@@ -380,7 +384,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows.append(row)
             what = row["method"] + (": " + "; ".join(row["recovered"]) if row["recovered"] else "")
-            what += f" ({row['sharding']}, rank 0)" if "sharding" in row else ""
+            if "sharding" in row:
+                what += (
+                    f" ({row['sharding']}; rank 0, largest measured step {row['true_max'] / 1024:.1f} KiB)"
+                )
             print(
                 f"{row['case']:<28} {row['true'] / 1024:>10.1f} {row['est'] / 1024:>10.1f} "
                 f"{row['error_pct']:>+7.2f}%  {what}",

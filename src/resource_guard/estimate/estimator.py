@@ -253,7 +253,10 @@ def estimate_memory(
     """Estimate the memory of one steady-state training step.
 
     Args:
-        model: the model, on any device including ``meta`` (nothing of its size is allocated).
+        model: the model, on any device including ``meta`` (nothing of its size is allocated); a
+            module sharded by FSDP2's ``fully_shard`` gives one rank's step (a
+            :class:`~resource_guard.estimate.fsdp2_step.ShardedEstimate`; see
+            :mod:`~resource_guard.estimate.fsdp2`).
         optimizer: an optimizer over ``model``'s parameters, or a factory ``params -> Optimizer``.
         batch: one sample batch, as the training loop receives it.
         loss_fn: ``(model, batch) -> loss or output``; default: ``model(**batch)`` for a mapping,
@@ -263,7 +266,8 @@ def estimate_memory(
             ``"16-true"``, ``"bf16-true"``.
         device: the kind of device the run will use (``"cuda"``, ``"cpu"``, ``"mps"``) or a catalog
             name; where PyTorch's behaviour depends on the device (the optimizer's foreach path), the
-            target's behaviour counts. Default: the model's device (``meta`` means ``cuda``).
+            target's behaviour counts. Default: the model's device (``meta`` means ``cuda``; for a
+            ``fully_shard``-ed module, its mesh's device).
 
     Returns:
         A :class:`MemoryEstimate`.

@@ -36,19 +36,95 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from resource_guard.errors import ConfigurationError
 from resource_guard.estimate.allocator import rank_overhead
 from resource_guard.estimate.result import MemoryEstimate
-from resource_guard.estimate.sharding import phase_peaks, sharded_rank_peak
+from resource_guard.estimate.sharding import FsdpPrecision, phase_peaks, sharded_rank_peak
+from resource_guard.step.precision import PrecisionSpec
 from resource_guard.step.training import iter_tensors, map_tensors
 
 if TYPE_CHECKING:
-    from resource_guard.estimate.fsdp2 import ShardedLayout
     from resource_guard.estimate.tracer import StorageTracker
-    from resource_guard.step.precision import PrecisionSpec
 
-__all__ = ["RankBuffers", "ShardedEstimate", "per_rank"]
+__all__ = ["RankBuffers", "ShardedEstimate", "ShardedLayout", "Unit", "per_rank"]
 
 _BUFFERS = "temporaries"
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One ``fully_shard`` unit: its module path, unsharded bytes in ``param_dtype``, and whether it
+    reshards after forward (``False``: gathered from its forward to its backward)."""
+
+    name: str
+    gathered_bytes: int
+    reshards: bool
+
+
+@dataclass(frozen=True)
+class ShardedLayout:
+    """What ``fully_shard`` did to a module, as read from it.
+
+    Attributes:
+        shard_world: the ranks each unit is sharded over (the mesh's shard dimension).
+        replicas: the replicas of each shard (HSDP's replicate dimension; 1 for a 1-D mesh).
+        device_type: the mesh's device type (``"cuda"`` for NCCL, ``"cpu"`` for gloo).
+        param_dtype: the gathered parameters' dtype (``MixedPrecisionPolicy.param_dtype``, else the
+            parameters' own).
+        reduce_dtype: the gradient reduce-scatter's dtype (``reduce_dtype``, else ``param_dtype``).
+        output_dtype: ``MixedPrecisionPolicy.output_dtype`` (``None``: outputs left as computed).
+        cast_forward_inputs: whether each unit casts its floating inputs to ``param_dtype``.
+        master_dtype: the sharded parameters' dtype (what the optimizer steps on).
+        units: every unit, the root(s) included.
+    """
+
+    shard_world: int
+    replicas: int
+    device_type: str
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    output_dtype: torch.dtype | None
+    cast_forward_inputs: bool
+    master_dtype: torch.dtype
+    units: tuple[Unit, ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.shard_world * self.replicas
+
+    def describe(self) -> str:
+        """``"FSDP2 fully_shard over 2 ranks, param_dtype bf16, reduce_dtype bf16, per-rank"``."""
+        ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}" + (
+            f" ({self.replicas} replicas of {self.shard_world})" if self.replicas > 1 else ""
+        )
+        out = f", output_dtype {_short(self.output_dtype)}" if self.output_dtype is not None else ""
+        return (
+            f"FSDP2 fully_shard over {ranks}, param_dtype {_short(self.param_dtype)}, "
+            f"reduce_dtype {_short(self.reduce_dtype)}{out}, per-rank"
+        )
+
+    def trace_spec(self, spec: PrecisionSpec) -> PrecisionSpec:
+        """The precision to trace the unsharded copy under: its parameters are already in
+        ``param_dtype``, so no cast; the autocast of ``spec`` (Lightning's ``*-mixed``) on top."""
+        if spec.autocast_dtype is None and spec.param_dtype != self.master_dtype:
+            raise ConfigurationError(
+                f"`estimate_memory(precision={spec.name!r})`: the fully_shard-ed module's parameters are "
+                f"{_short(self.master_dtype)}; for FSDP2 the gathered dtype comes from its "
+                "MixedPrecisionPolicy, so pass a precision of the parameters' dtype ('32-true' for fp32, "
+                "'bf16-true' for bf16) or a '*-mixed' one for autocast on top."
+            )
+        return dataclasses.replace(spec, param_dtype=torch.float32)
+
+    def policy(self, spec: PrecisionSpec) -> FsdpPrecision:
+        """The dtypes as :func:`~resource_guard.estimate.sharding.sharded_rank_peak` takes them."""
+        return FsdpPrecision(
+            f"{spec.name} / fully_shard", spec.name, "fully_shard", self.param_dtype, self.reduce_dtype,
+            self.master_dtype, spec.autocast_dtype,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
