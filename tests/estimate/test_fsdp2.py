@@ -194,3 +194,38 @@ def test_the_module_example_runs() -> None:
     from resource_guard.estimate import fsdp2
 
     assert doctest.testmod(fsdp2).failed == 0
+
+
+def test_reshard_after_forward_is_read_per_unit(gloo: None) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    def build(first_block_kept: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = Net()
+        for i, b in enumerate(model.blocks):
+            fully_shard(b, reshard_after_forward=not (first_block_kept and i == 0))
+        fully_shard(model, reshard_after_forward=True)  # set, so the root reshards too
+        return model
+
+    kept, default = build(True), build(False)
+    assert [u.reshards for u in sharded_layout(kept).units] == [True, False, True, True, True]
+    assert all(u.reshards for u in sharded_layout(default).units)
+
+    def forward_peak(model: nn.Module) -> int:
+        est = estimate_memory(model, torch.optim.AdamW(model.parameters()), BATCH, _loss, device="cpu")
+        return est.phase_peak_bytes["forward"]
+
+    assert forward_peak(kept) > forward_peak(default)  # the first block stays gathered through forward
+
+
+def test_an_hsdp_mesh_is_read_from_the_placements(gloo: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    model = Net()
+    fully_shard(model, mesh=mesh)
+    layout = sharded_layout(model)
+    assert (layout.replicas, layout.shard_world, layout.device_type) == (1, 1, "cpu")
+    est = estimate_memory(model, torch.optim.AdamW(model.parameters()), BATCH, _loss)
+    assert est.traced and est.device_kind == "cpu"  # the mesh's device, by default
