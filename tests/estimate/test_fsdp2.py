@@ -229,3 +229,17 @@ def test_an_hsdp_mesh_is_read_from_the_placements(gloo: None) -> None:
     assert (layout.replicas, layout.shard_world, layout.device_type) == (1, 1, "cpu")
     est = estimate_memory(model, torch.optim.AdamW(model.parameters()), BATCH, _loss)
     assert est.traced and est.device_kind == "cpu"  # the mesh's device, by default
+
+
+def test_a_frozen_unit_is_gathered_but_reduces_nothing(gloo: None) -> None:
+    model = _sharded(_bf16(torch.float32))
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    units = sharded_layout(model).units
+    assert units[1].trainable_bytes == 0 < units[1].gathered_bytes
+    assert all(u.trainable_bytes == u.gathered_bytes for u in units if u is not units[1])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    est = estimate_memory(model, torch.optim.AdamW(trainable), BATCH, _loss, device="cpu")
+    full = _sharded(_bf16(torch.float32))
+    whole = estimate_memory(full, torch.optim.AdamW(full.parameters()), BATCH, _loss, device="cpu")
+    assert est.traced and est.breakdown["optimizer_state"] < whole.breakdown["optimizer_state"]

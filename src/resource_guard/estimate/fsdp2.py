@@ -134,6 +134,16 @@ def _mesh_sizes(p: Any) -> tuple[int, int]:
     return shard, replicas
 
 
+def _padded_numel(p: Any) -> int:
+    """Elements of ``p`` as FSDP2 gathers it: dim 0 padded to a multiple of the shard world."""
+    world, _ = _mesh_sizes(p)
+    shape = tuple(p.shape) or (1,)
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return -(-shape[0] // world) * world * rest
+
+
 def _units(model: nn.Module, fsdp_cls: type) -> Iterator[tuple[str, nn.Module, bool]]:
     """``(path, module, is a root)`` of every ``fully_shard`` unit: a root has no unit above it."""
     stack: list[tuple[str, nn.Module, bool]] = [("", model, False)]
@@ -166,7 +176,7 @@ def sharded_layout(model: nn.Module) -> ShardedLayout:
     meshes: set[tuple[int, int]] = set()
     masters: set[torch.dtype] = set()
     for name, module, root in _units(model, fsdp_cls):
-        nbytes, reshards = 0, True
+        nbytes, trainable, reshards = 0, 0, True
         for g in _unit_groups(module):
             if g.offloads:
                 raise ConfigurationError(
@@ -181,12 +191,13 @@ def sharded_layout(model: nn.Module) -> ShardedLayout:
             )
             masters.update(p.dtype for p in g.params if p.is_floating_point())
             meshes.update(_mesh_sizes(p) for p in g.params)
-            nbytes += sum(
-                p.numel() * (param_dtype if p.is_floating_point() else p.dtype).itemsize for p in g.params
-            )
+            for p in g.params:
+                size = _padded_numel(p) * (param_dtype if p.is_floating_point() else p.dtype).itemsize
+                nbytes += size
+                trainable += size if p.requires_grad else 0
             # FSDP2 keeps a root gathered from forward to backward unless reshard_after_forward was set
             reshards = reshards and g.reshards and not (root and g.auto_reshard)
-        units.append(Unit(name, nbytes, reshards))
+        units.append(Unit(name, nbytes, reshards, trainable))
     if len(policies) != 1 or len(masters) > 1 or len(meshes) != 1:
         raise ConfigurationError(
             f"{who}: the fully_shard units differ in MixedPrecisionPolicy, parameter dtype or mesh "

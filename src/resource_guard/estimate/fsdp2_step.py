@@ -57,12 +57,14 @@ def _short(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Unit:
-    """One ``fully_shard`` unit: its module path, unsharded bytes in ``param_dtype``, and whether it
-    reshards after forward (``False``: gathered from its forward to its backward)."""
+    """One ``fully_shard`` unit: its module path, unsharded bytes in ``param_dtype`` (dim 0 padded to
+    the shard world, as FSDP2 gathers), whether it reshards after forward (``False``: gathered from
+    its forward to its backward), and the bytes of its trainable parameters (what it reduce-scatters)."""
 
     name: str
     gathered_bytes: int
     reshards: bool
+    trainable_bytes: int
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ class RankBuffers:
     def __init__(self, layout: ShardedLayout, units: list[tuple[nn.Module, list[tuple[str, str]]]]) -> None:
         self.layout = layout
         self.sizes = [u.gathered_bytes for u in layout.units]
+        self.trainable = [u.trainable_bytes for u in layout.units]
         self.reshards = [u.reshards for u in layout.units]
         self.managed = [paths for _, paths in units]
         self.tracker: StorageTracker | None = None
@@ -307,7 +310,9 @@ class RankBuffers:
         self._gathered.pop(i, None)
         self._held = None  # the previous unit's reduce-scatter input
         layout = self.layout
-        unsharded = self.sizes[i]
+        unsharded = self.trainable[i]
+        if not unsharded:  # nothing to reduce: a frozen unit
+            return
         rs_input = self._alloc(unsharded * layout.reduce_dtype.itemsize // layout.param_dtype.itemsize)
         if self.tracker is not None and i in self._modules:
             for p in self._params(i):
