@@ -105,6 +105,10 @@ def test_a_fully_sharded_module_gets_a_traced_per_rank_estimate_that_says_so(glo
     )
     assert any(w.startswith("FSDP2 fully_shard over 1 rank") for w in est.warnings)
     assert est.peak_bytes == sum(est.breakdown.values())
+    assert est.method_line.endswith(
+        "FSDP2 fully_shard over 1 rank, param_dtype bf16, reduce_dtype bf16, per-rank"
+    )
+    assert est.to_dict()["sharding"] == est.layout.describe()
     # the caller's sharded model and optimizer are untouched: DTensor parameters, no gradients or state
     assert is_fully_sharded(model) and all(type(p).__name__ == "DTensor" for p in model.parameters())
     assert all(p.grad is None for p in model.parameters()) and not opt.state
@@ -243,3 +247,20 @@ def test_a_frozen_unit_is_gathered_but_reduces_nothing(gloo: None) -> None:
     full = _sharded(_bf16(torch.float32))
     whole = estimate_memory(full, torch.optim.AdamW(full.parameters()), BATCH, _loss, device="cpu")
     assert est.traced and est.breakdown["optimizer_state"] < whole.breakdown["optimizer_state"]
+
+
+def test_the_analytic_fallback_is_per_rank_too(gloo: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from resource_guard import ResourceGuardWarning
+    from resource_guard.estimate import estimator
+
+    model = _sharded(_bf16())
+    traced = estimate_memory(model, torch.optim.AdamW(model.parameters()), BATCH, _loss, device="cpu")
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("an operator with no fake kernel")
+
+    monkeypatch.setattr(estimator, "_trace", fails)
+    with pytest.warns(ResourceGuardWarning, match="analytic upper bound"):
+        bound = estimate_memory(model, torch.optim.AdamW(model.parameters()), BATCH, _loss, device="cpu")
+    assert isinstance(bound, ShardedEstimate) and bound.method == "analytic"
+    assert bound.peak_bytes >= traced.peak_bytes

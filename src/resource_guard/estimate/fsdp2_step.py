@@ -152,6 +152,12 @@ class ShardedEstimate(MemoryEstimate):
         line = super().method_line
         return f"{line}; {self.layout.describe()}" if self.layout is not None else line
 
+    def to_dict(self) -> dict[str, Any]:
+        """:meth:`MemoryEstimate.to_dict`, with ``"sharding"`` (the layout, in one line)."""
+        out = super().to_dict()
+        out["sharding"] = self.layout.describe() if self.layout is not None else None
+        return out
+
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward marks the unit's backward as done (as FSDP2's
@@ -248,10 +254,9 @@ class RankBuffers:
                 self._root = i  # the first unit to run forward is the root of the iteration
             if i not in self._modules:
                 self._modules[i] = module
+                # a gradient counts unsharded until its unit's post-backward (runs after the estimate's hook)
                 for p in self._params(i):
-                    if (
-                        p.requires_grad
-                    ):  # unsharded until the unit's post-backward (after the estimate's hook)
+                    if p.requires_grad:
                         p.register_post_accumulate_grad_hook(self._unsharded_grad)
             self._gather(i, forward=True)
             needing = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
@@ -333,7 +338,13 @@ class RankBuffers:
 
 def per_rank(estimate: MemoryEstimate, layout: ShardedLayout, spec: PrecisionSpec) -> ShardedEstimate:
     """One rank's estimate from the trace of the unsharded copy with :class:`RankBuffers` in it."""
-    peak = sharded_rank_peak(phase_peaks(estimate), layout.policy(spec), (), layout.shard_world, "full")
+    peaks, policy = phase_peaks(estimate), layout.policy(spec)
+    if estimate.traced:  # FSDP2's buffers are in the trace
+        peak = sharded_rank_peak(peaks, policy, (), layout.shard_world, "full")
+    else:  # the analytic bound ran no hooks: the gathered units and the unit's gradient added by phase
+        gathered = [u.gathered_bytes for u in layout.units if u.reshards]
+        resident = [u.gathered_bytes for u in layout.units if not u.reshards]
+        peak = sharded_rank_peak(peaks, policy, gathered, layout.shard_world, "full", resident=resident)
     what = layout.describe()
     kept = sum(not u.reshards for u in layout.units)
     note = (
