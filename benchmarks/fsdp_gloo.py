@@ -8,7 +8,8 @@ highest running total of the step's allocations. The prediction is
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` and under DDP with fp32. DDP's
 gradient buckets are allocated when DDP is constructed, before the measured step, so the measured
 side adds them as one copy of every gradient (the reducer does not expose them); the step itself and
-every other byte are measured.
+every other byte are measured. For FSDP2, rank 0 also estimates its own sharded module
+(``estimate_memory`` of the ``fully_shard``-ed model: the traced per-rank step, read from the module).
 
 Run: ``nice -n 10 python benchmarks/fsdp_gloo.py``.
 """
@@ -82,6 +83,11 @@ def _worker(rank: int, strategy: str, path: str, port: int) -> None:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
     x = torch.randn(BATCH, SEQ, DIM)
+    sharded = ""
+    if strategy == "fsdp" and rank == 0:
+        from resource_guard.estimate import estimate_memory
+
+        sharded = str(estimate_memory(model, opt, x, _loss, device="cpu").peak_bytes)
 
     def step() -> None:
         _loss(model, x).backward()
@@ -101,11 +107,17 @@ def _worker(rank: int, strategy: str, path: str, port: int) -> None:
         step()
     if rank == 0:
         with open(path, "w") as f:
-            f.write(str(start + peak_of(allocation_deltas(prof))))
+            f.write(f"{start + peak_of(allocation_deltas(prof))}\n{sharded}")
     dist.destroy_process_group()
 
 
 def measured(strategy: str) -> int:
+    """The real per-rank peak of rank 0."""
+    return measured_and_estimated(strategy)[0]
+
+
+def measured_and_estimated(strategy: str) -> tuple[int, int | None]:
+    """The real per-rank peak of rank 0, and (FSDP2) rank 0's estimate of its sharded module."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "peak")
         with socket.socket() as sock:  # a free port for the rendezvous
@@ -113,12 +125,13 @@ def measured(strategy: str) -> int:
             port = sock.getsockname()[1]
         mp.spawn(_worker, args=(strategy, path, port), nprocs=2)
         with open(path) as f:
-            return int(f.read())
+            real, sharded = f.read().split("\n")
+    return int(real), int(sharded) if sharded else None
 
 
 def predicted(strategy: str) -> int:
     from resource_guard.estimate import estimate_memory
-    from resource_guard.planning.sharding import fsdp_precision, trace_spec
+    from resource_guard.estimate.sharding import fsdp_precision, trace_spec
     from resource_guard.planning.strategy import rank_memory, unit_param_bytes
 
     model = Net()
@@ -139,10 +152,16 @@ def predicted(strategy: str) -> int:
 
 def main() -> None:
     torch.set_num_threads(1)
-    print(f"{'strategy':>8} {'measured MiB':>12} {'predicted MiB':>13} {'error':>7}")
+    print(
+        f"{'strategy':>8} {'measured MiB':>12} {'predicted MiB':>13} {'error':>7}  "
+        "estimate of the sharded module (MiB, error)"
+    )
     for strategy in sys.argv[1:] or ("fsdp", "ddp"):
-        real, pred = measured(strategy), predicted(strategy)
-        print(f"{strategy:>8} {real / 2**20:>12.2f} {pred / 2**20:>13.2f} {(pred - real) / real:>+7.1%}")
+        (real, sharded), pred = measured_and_estimated(strategy), predicted(strategy)
+        own = f"{sharded / 2**20:.2f} {(sharded - real) / real:+.1%}" if sharded is not None else "-"
+        print(
+            f"{strategy:>8} {real / 2**20:>12.2f} {pred / 2**20:>13.2f} {(pred - real) / real:>+7.1%}  {own}"
+        )
 
 
 if __name__ == "__main__":

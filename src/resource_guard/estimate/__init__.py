@@ -8,6 +8,10 @@
 - :mod:`~resource_guard.estimate.kernels`: real-kernel scratch (oneDNN, CPU flash attention) probes.
 - :mod:`~resource_guard.estimate.cpu_support`: what this CPU can run (tiny real probes, cached).
 - :mod:`~resource_guard.estimate.quiet`: torch's native log lines and fake-tensor logs kept off the console.
+- :mod:`~resource_guard.estimate.fsdp2`, :mod:`~resource_guard.estimate.fsdp2_step`: FSDP2
+  (``fully_shard``) modules, estimated per rank from their DTensors and units.
+- :mod:`~resource_guard.estimate.sharding`: FSDP's precision policies and per-rank arithmetic (also
+  the planner's).
 - :mod:`~resource_guard.estimate.analytic`: the fallback when a step cannot be traced.
 - :mod:`~resource_guard.estimate.allocator`: the CUDA caching allocator, context and workspaces
   (:class:`DeviceFit`).

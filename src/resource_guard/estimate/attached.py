@@ -79,7 +79,10 @@ def attached_tensors(model: nn.Module) -> list[Attached]:
 def _storage_key(t: torch.Tensor) -> int | None:
     if t.is_meta or not hasattr(t, "untyped_storage"):
         return None
-    ptr = t.untyped_storage().data_ptr()
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor), or a freed storage
+        return None
     return ptr or None
 
 

@@ -32,6 +32,8 @@ from resource_guard.estimate.fake_world import (
     isolated_global_state,
     target_forward,
 )
+from resource_guard.estimate.fsdp2 import is_fsdp1, is_fully_sharded, sharded_layout, unsharded_copy
+from resource_guard.estimate.fsdp2_step import RankBuffers, per_rank
 from resource_guard.estimate.quiet import torch_logs_silenced
 from resource_guard.estimate.recovery import fake_mode as _fake_mode
 from resource_guard.estimate.recovery import fake_numpy
@@ -53,6 +55,12 @@ def _check_inputs(
     """Refuse bad arguments of ``who`` (``estimate_memory`` or ``plan``) before any tracing."""
     if not isinstance(model, nn.Module):
         raise ConfigurationError(f"`{who}(model=...)` must be a torch.nn.Module, got {type(model).__name__}.")
+    if who != "estimate_memory" and is_fully_sharded(model):
+        raise ConfigurationError(
+            f"`{who}(model=...)`: {type(model).__name__} is already sharded by fully_shard, and {who} "
+            "chooses the strategy itself: pass the module before fully_shard (estimate_memory takes the "
+            "sharded module and gives its per-rank step)."
+        )
     params = list(model.parameters())
     if not params:
         raise ConfigurationError(
@@ -146,6 +154,7 @@ def _trace(
     spec: PrecisionSpec,
     device_kind: str,
     target: Target | None = None,
+    rank_buffers: RankBuffers | None = None,
 ) -> MemoryEstimate:
     started = time.perf_counter()
     # the forward runs as on the target: CUDA's autocast policy and attention kernels on a GPU target
@@ -156,6 +165,8 @@ def _trace(
         functools.partial(_kernels.kernel_extra, device_kind=device_kind, cpu_unsupported=unsupported),
         composite=composite,
     )
+    if rank_buffers is not None:  # FSDP2: one rank's gathered units and reduce buffers, in the trace
+        rank_buffers.bind(tracker)
     fake_mode = _fake_mode()
     spans: list[tuple[str, int, int]] = []
     with fake_numpy(tracker.recovery), fake_mode, tracker, forward:
@@ -245,7 +256,10 @@ def estimate_memory(
     """Estimate the memory of one steady-state training step.
 
     Args:
-        model: the model, on any device including ``meta`` (nothing of its size is allocated).
+        model: the model, on any device including ``meta`` (nothing of its size is allocated); a
+            module sharded by FSDP2's ``fully_shard`` gives one rank's step (a
+            :class:`~resource_guard.estimate.fsdp2_step.ShardedEstimate`; see
+            :mod:`~resource_guard.estimate.fsdp2`).
         optimizer: an optimizer over ``model``'s parameters, or a factory ``params -> Optimizer``.
         batch: one sample batch, as the training loop receives it.
         loss_fn: ``(model, batch) -> loss or output``; default: ``model(**batch)`` for a mapping,
@@ -255,7 +269,8 @@ def estimate_memory(
             ``"16-true"``, ``"bf16-true"``.
         device: the kind of device the run will use (``"cuda"``, ``"cpu"``, ``"mps"``) or a catalog
             name; where PyTorch's behaviour depends on the device (the optimizer's foreach path), the
-            target's behaviour counts. Default: the model's device (``meta`` means ``cuda``).
+            target's behaviour counts. Default: the model's device (``meta`` means ``cuda``; for a
+            ``fully_shard``-ed module, its mesh's device).
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -270,20 +285,28 @@ def estimate_memory(
     model, unwrapped = unwrap_model(model)
     _check_inputs(model, optimizer, batch, loss_fn)
     spec = parse_precision(precision)
-    kind = _device_kind(device) if device is not None else _default_kind(model)
+    layout = sharded_layout(model) if is_fully_sharded(model) else None
+    trace_spec, buffers = spec, None
+    if layout is not None:  # FSDP2: trace the unsharded step from the global shapes, then one rank's share
+        trace_spec = layout.trace_spec(spec)
+        model, optimizer, buffers = unsharded_copy(model, layout, optimizer)
+    default = layout.device_type if layout is not None else _default_kind(model)
+    kind = _device_kind(device) if device is not None else default
     target = Target.of(device, kind)
     with isolated_global_state():
         try:
             with torch_logs_silenced():  # a failed fake kernel is reported below, not by torch's log
-                est = _trace(model, optimizer, batch, loss_fn, spec, kind, target)
+                est = _trace(model, optimizer, batch, loss_fn, trace_spec, kind, target, buffers)
         except ConfigurationError:
             raise
         except Exception as exc:  # the step cannot continue past an operator: fall back, as an upper bound
             reason = f"tracing failed ({type(exc).__name__}: {_first_line(exc)})"
             warnings.warn(f"{reason}; analytic upper bound", ResourceGuardWarning, stacklevel=2)
             with torch_logs_silenced():  # the bound's own fake optimizer step may fail the same way
-                est = analytic_estimate(model, optimizer, batch, spec, kind, reason=reason)
+                est = analytic_estimate(model, optimizer, batch, trace_spec, kind, reason=reason)
             est = dataclasses.replace(est, assumed_target=f"as on {target.describe()}, {spec.name}")
+    if layout is not None:
+        est = per_rank(est, layout, spec)
     return dataclasses.replace(est, warnings=unwrapped + est.warnings) if unwrapped else est
 
 
@@ -293,9 +316,10 @@ def unwrap_model(model: Any) -> tuple[Any, tuple[str, ...]]:
     ``torch.compile(model)`` (an ``OptimizedModule``) runs the same tensors as the eager step of the
     module it compiled, less what the compiler fuses away: the eager step is an upper bound, and is
     what is traced. DDP's wrapper adds gradient buckets that belong to the strategy (``plan``'s
-    ``strategy="ddp"`` accounts for them per rank); the local module's step is traced. FSDP2
-    (``fully_shard``) replaces parameters by sharded DTensors, which cannot be copied onto fake
-    tensors: refused with what to pass instead.
+    ``strategy="ddp"`` accounts for them per rank); the local module's step is traced. An FSDP2
+    (``fully_shard``) module is not a wrapper and is returned as is: :func:`estimate_memory` gives its
+    per-rank step (:mod:`resource_guard.estimate.fsdp2`). FSDP1's ``FullyShardedDataParallel`` wraps
+    flat parameters whose global shapes it hides: refused with what to pass instead.
     """
     notes: list[str] = []
     while True:
@@ -313,13 +337,12 @@ def unwrap_model(model: Any) -> tuple[Any, tuple[str, ...]]:
             )
         else:
             break
-    if isinstance(model, nn.Module) and any(
-        type(m).__name__.startswith("FSDP") or type(m).__name__ == "FullyShardedDataParallel"
-        for m in model.modules()
-    ):
+    if is_fsdp1(model):
         raise ConfigurationError(
-            f"`estimate_memory(model=...)`: {type(model).__name__} is sharded by FSDP (`fully_shard`); pass "
-            "the module before sharding and plan(strategy='fsdp', world_size=N) for the per-rank memory."
+            f"`estimate_memory(model=...)`: {type(model).__name__} is wrapped by FSDP1's "
+            "FullyShardedDataParallel, whose flat parameters hide the model's shapes; shard it with FSDP2's "
+            "`fully_shard` (estimated per rank), or pass the module before wrapping and "
+            "plan(strategy='fsdp', world_size=N) for the per-rank memory."
         )
     return model, tuple(notes)
 

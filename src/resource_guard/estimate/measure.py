@@ -40,7 +40,8 @@ class MeasuredStep:
 
 def live_bytes(*objects: Any) -> int:
     """Bytes of the distinct storages behind the tensors in ``objects`` (modules, optimizers, batches);
-    a module's include the tensors it holds outside its parameters and buffers."""
+    a module's include the tensors it holds outside its parameters and buffers; of a DTensor, this
+    rank's local shard."""
     seen: dict[int, int] = {}
     for obj in objects:
         if isinstance(obj, nn.Module):
@@ -52,6 +53,9 @@ def live_bytes(*objects: Any) -> int:
         else:
             tensors = iter_tensors(obj)
         for t in tensors:
+            to_local = getattr(t, "to_local", None)
+            if callable(to_local):  # a DTensor (FSDP2): this rank's shard
+                t = to_local()
             st = t.untyped_storage()
             seen[st.data_ptr() or id(st)] = st.nbytes()
     return sum(seen.values())

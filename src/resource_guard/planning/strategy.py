@@ -15,7 +15,7 @@ fp32 weights, as traced.
 **FSDP** (``"fsdp"``: ``FULL_SHARD`` / ``fully_shard``; ``"fsdp_grad_op"``: ``SHARD_GRAD_OP`` /
 ``reshard_after_forward=False``, ZeRO-2; ``"hsdp"``: ``HYBRID_SHARD`` / a 2-D mesh, sharded within a
 node of ``gpus_per_node`` and replicated across nodes) shards parameters, gradients and optimizer
-state; its mixed-precision policy (:mod:`~resource_guard.planning.sharding`) decides the dtype of the
+state; its mixed-precision policy (:mod:`~resource_guard.estimate.sharding`) decides the dtype of the
 gathered units, the reduce and the master shards. Units are the repeated blocks
 (:func:`~resource_guard.planning.checkpointing.find_checkpoint_blocks`, what an auto-wrap policy
 wraps) and the root (every parameter outside them). Per phase::
@@ -52,8 +52,16 @@ from torch import nn
 from resource_guard.errors import ConfigurationError
 from resource_guard.estimate import CATEGORIES
 from resource_guard.estimate.allocator import rank_device_fit, rank_overhead
+from resource_guard.estimate.sharding import (
+    FsdpPrecision,
+    PhasePeaks,
+    fsdp_precision,
+    full_gradient_bytes,
+    phase_peaks,
+    sharded_rank_bytes,
+    timeline_points,
+)
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
-from resource_guard.planning.sharding import FsdpPrecision, PhasePeaks, fsdp_precision, sharded_rank_bytes
 from resource_guard.step.precision import parse_precision
 
 if TYPE_CHECKING:
@@ -152,53 +160,6 @@ def unit_param_bytes(model: nn.Module, precision: str | FsdpPrecision) -> tuple[
     return tuple(sorted((u for u in units if u > 0), reverse=True)) or (0,)
 
 
-def _points(estimate: MemoryEstimate) -> list[tuple[str, Sequence[int]]]:
-    peak = tuple(estimate.breakdown.get(c, 0) for c in CATEGORIES)
-    points: list[tuple[str, Sequence[int]]] = [(estimate.peak_phase or "forward", peak)]
-    points.extend((phase.split(":")[0], values) for phase, values in estimate.timeline)
-    return points
-
-
-def _full_gradient_bytes(estimate: MemoryEstimate) -> int:
-    """Bytes of every trainable gradient: the traced parameter bytes scaled by the trainable fraction."""
-    if estimate.parameter_count == 0:
-        return 0
-    share = estimate.trainable_parameter_count / estimate.parameter_count
-    return int(estimate.breakdown.get("parameters", 0) * share)
-
-
-_TRANSIENT = tuple(_INDEX[c] for c in ("activations", "temporaries", "inputs", "other"))
-
-
-def phase_peaks(estimate: MemoryEstimate) -> PhasePeaks:
-    """The step's transient bytes at their highest per phase, and its model state (traced dtypes)."""
-    best = {"forward": 0, "backward": 0, "optimizer": 0}
-    # an extrapolated estimate keeps only a few moments of its backward: count every gradient there
-    extrapolated = getattr(estimate, "blocks_sampled", None) is not None
-    full = _full_gradient_bytes(estimate)
-    points: dict[tuple[str, int], int] = {}
-    for ph, v in _points(estimate):
-        key = "optimizer" if ph in ("optimizer", "zero_grad", "done") else ph
-        if key in best:
-            transient = sum(v[i] for i in _TRANSIENT)
-            best[key] = max(best[key], transient)
-            grads = full if extrapolated and key == "backward" else v[_INDEX["gradients"]]
-            points[(key, transient)] = max(points.get((key, transient), 0), grads)
-    b = estimate.breakdown
-    return PhasePeaks(
-        forward=best["forward"],
-        backward=best["backward"],
-        optimizer=best["optimizer"],
-        parameters=b.get("parameters", 0),
-        gradients_full=_full_gradient_bytes(estimate),
-        optimizer_state=b.get("optimizer_state", 0),
-        param_itemsize=max(1, round(b.get("parameters", 0) / estimate.parameter_count))
-        if estimate.parameter_count
-        else 4,
-        points=tuple((ph, tr, g) for (ph, tr), g in points.items()),
-    )
-
-
 def rank_memory(
     estimate: MemoryEstimate,
     strategy: str,
@@ -214,7 +175,7 @@ def rank_memory(
 
     Args:
         estimate: a single-device estimate at the per-rank micro-batch; for an FSDP policy that
-            gathers 16-bit parameters, traced under :func:`~resource_guard.planning.sharding.trace_spec`.
+            gathers 16-bit parameters, traced under :func:`~resource_guard.estimate.sharding.trace_spec`.
         strategy: one of :data:`STRATEGIES`.
         world_size: number of ranks (>= 1).
         units: FSDP unit sizes in gathered bytes (:func:`unit_param_bytes`); required for FSDP.
@@ -229,13 +190,13 @@ def rank_memory(
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ConfigurationError(f"`world_size={world_size!r}` must be an int >= 1")
     b = estimate.breakdown
-    grads_full = _full_gradient_bytes(estimate)
+    grads_full = full_gradient_bytes(estimate)
     state = b.get("parameters", 0) + b.get("optimizer_state", 0)
     if strategy == "single":
         return RankMemory("single", world_size, estimate.peak_bytes, estimate.peak_phase, state + grads_full)
     if strategy == "ddp":
         best, phase = -1, None
-        for ph, values in _points(estimate):
+        for ph, values in timeline_points(estimate):
             grads = values[_INDEX["gradients"]]
             total = sum(values) + (grads_full - grads if gradient_as_bucket_view else grads_full)
             if total > best:
