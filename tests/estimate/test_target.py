@@ -211,6 +211,45 @@ def test_a_cuda_target_counts_the_float32_softmax_cuda_autocast_makes():
     assert summary == "as on cuda sm80 (a100-40gb), 16-mixed, autocast policy: cuda"
 
 
+def _saved_dtypes(fn, *args):
+    saved: list[torch.dtype] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+        fn(*args)
+    return saved
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float16])
+def test_dropout_keeps_a_bool_mask_as_the_cuda_kernel_does(dtype):
+    x = torch.randn(16, 32, requires_grad=True)
+    assert _saved_dtypes(F.dropout, x, 0.1, True) == [torch.float32]  # the CPU path keeps its noise
+    with CudaAutocast(dtype):
+        assert _saved_dtypes(F.dropout, x, 0.1, True) == [torch.bool]
+        assert _saved_dtypes(nn.Dropout(0.5).train(), x) == [torch.bool]
+        assert _saved_dtypes(F.dropout, x, 0.1, False) == []  # eval: the input itself
+        assert _saved_dtypes(F.dropout, x, 0.0, True) == []
+        y = F.dropout(x, 0.1, True)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_a_cuda_target_counts_one_byte_an_element_for_a_dropout_mask():
+    model = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.1), nn.Linear(D, D))
+    batch = torch.randn(B * L, D)
+
+    def activations(device: str) -> int:
+        est = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                              lambda m, b: m(b).sum(), device=device)  # fmt: skip
+        forward = [sizes for phase, sizes in est.timeline if phase == "forward"]
+        return forward[-1][CATEGORIES.index("activations")]
+
+    n = B * L * D
+    # kept: the dropout's output (the second linear's input), the loss, and for the dropout's backward
+    # a bool mask on CUDA, a float32 noise tensor on the CPU
+    assert activations("cuda") == 4 * n + 1 * n + 4
+    assert activations("cpu") - activations("cuda") == 3 * n
+
+
 def test_every_estimate_states_the_target_it_assumed():
     model = nn.Linear(8, 8)
     batch = torch.randn(4, 8)
