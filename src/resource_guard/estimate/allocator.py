@@ -11,8 +11,14 @@ allocation events through a model of it. Constants and their sources:
   from 10 MiB up a segment of the request rounded to 2 MiB (``kRoundLarge``) is allocated.
 - A free block is split when the remainder is ≥ 512 bytes (small pool) or > 1 MiB (large pool);
   freed neighbours merge; a request takes the best-fitting free block of its pool.
-- CUDA context: 300–500 MB per process with lazy module loading (the default since CUDA 11.7 /
-  PyTorch 1.13; PyTorch's CUDA semantics notes and NVIDIA's lazy-loading notes). We use 450 MiB.
+- CUDA context (``CUDA_CONTEXT_BYTES``, 450 MiB): what a process holds outside the caching allocator
+  (driver state, the kernels loaded). With lazy module loading, PyTorch's default since 1.13 / CUDA
+  11.7 (pytorch/pytorch#86509), published figures are 287 MB (#86509's own measurement), "around
+  400MB" (PyTorch's CUDA maintainer in pytorch/pytorch#109888) and 426 MiB (PyTorch 2.10 + CUDA 13.0
+  on an RTX 6000 Ada, nvidia-smi, unslothai/unsloth-zoo#1053); 450 MiB is at the top of that range.
+  Eager loading (``CUDA_MODULE_LOADING=EAGER``, or torch < 1.13) loads every kernel up front: 667 MB
+  in #86509, 1343 MiB on a V100 with torch 1.10 (Hugging Face's "Efficient training on a single GPU",
+  used by ``benchmarks/public_gpu.py``); that is not what this figure stands for.
 - Per rank (:func:`rank_overhead`, :func:`rank_device_fit`): a sharded rank's persistent state is a
   few exact-size blocks allocated once, so the allocator's overhead is that of the step's own churn
   (activations, temporaries, gradients as they come and go), replayed without the persistent
