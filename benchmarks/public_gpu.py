@@ -16,8 +16,8 @@ estimate of the same model for today's torch):
   ``clip_grad_norm_(max_norm=1.0)`` before every step (after ``GradScaler.unscale_`` in fp16).
 - Gradients are never freed: the Trainer calls ``model.zero_grad()``, which in torch < 2.0 zeroes
   them in place (``set_to_none=False``). Every step after the first starts with all gradients
-  allocated, and backward adds each new gradient into its old one. So the optimizer passed here
-  makes its state and zeroed gradients when it is built, and the estimate traces such a step.
+  allocated, and backward adds each new gradient into its old one: ``for_device(...,
+  gradients_kept=True)``.
 - torch 1.10's softmax kept its *input* for backward as well as its output (the schema
   ``_softmax_backward_data(grad, output, dim, self)``; dropped in torch 1.11 by pytorch/pytorch#66018,
   "Avoid saving self for softmax and log_softmax"). BERT of that time added its float32 extended
@@ -162,31 +162,24 @@ class _AdamWHF(torch.optim.Optimizer):
 
 
 def _trainer_optimizer(name: str, as_today: bool) -> Any:
-    """A factory of the Trainer's optimizer; unless ``as_today``, one of the run's later steps: the
-    state made and every gradient allocated and zeroed, as ``model.zero_grad()`` left them."""
+    """A factory of the Trainer's optimizer of 2022 (``as_today``: torch's AdamW, no clipping)."""
     from transformers.optimization import Adafactor
 
     def build(params: Any) -> torch.optim.Optimizer:
         params = list(params)
         if name == "adamw":
-            base: Any = _AdamWHF if not as_today else torch.optim.AdamW
+            opt: Any = _AdamWHF(params) if not as_today else torch.optim.AdamW(params)
         else:
-            base = lambda ps: Adafactor(ps, lr=5e-5, scale_parameter=False, relative_step=False)  # noqa: E731
-        opt = base(params)
+            opt = Adafactor(params, lr=5e-5, scale_parameter=False, relative_step=False)
         if as_today:
             return opt  # type: ignore[no-any-return]
-        clip_then_step = opt.step
+        step = opt.step
 
-        def step(closure: Any = None) -> None:  # the Trainer clips before every step
+        def clip_then_step(closure: Any = None) -> None:  # the Trainer clips before every step
             torch.nn.utils.clip_grad_norm_(params, max_norm=1.0, foreach=False)
-            clip_then_step()
+            step()
 
-        opt.step = step  # type: ignore[method-assign]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        for p in params:
-            p.grad.zero_()  # type: ignore[union-attr]
+        opt.step = clip_then_step
         return opt  # type: ignore[no-any-return]
 
     return build
@@ -208,7 +201,8 @@ def predict(row: Published, as_today: bool = False) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         opt = _trainer_optimizer(row.optimizer, as_today)
         est = estimate_memory(model, opt, batch, precision=row.precision, device="v100-16gb")
-    return {"estimate": est, "fit": est.for_device("v100-16gb")}
+    # the Trainer's model.zero_grad() zeroes the gradients (torch < 2.0): every later step starts with them
+    return {"estimate": est, "fit": est.for_device("v100-16gb", gradients_kept=not as_today)}
 
 
 def main(argv: list[str] | None = None) -> int:
