@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from resource_guard import estimate_memory
+from resource_guard.estimate.allocator import device_fit
 from resource_guard.estimate.later_step import later_peak_from_timeline, later_step, running_peak
 from resource_guard.estimate.tracer import CATEGORIES
 
@@ -78,3 +79,19 @@ def test_without_allocation_events_the_timeline_gives_the_later_peak() -> None:
     est = SimpleNamespace(timeline=timeline, peak_bytes=200)
     assert later_peak_from_timeline(est) == 100 + 50 + 100  # the end of forward, every gradient there
     assert later_peak_from_timeline(SimpleNamespace(timeline=timeline, peak_bytes=400)) == 400
+
+
+def test_an_extrapolated_estimate_takes_the_later_peak_from_its_timeline() -> None:
+    g, a = CATEGORIES.index("gradients"), CATEGORIES.index("activations")
+    sizes = [0] * len(CATEGORIES)
+    forward, backward = list(sizes), list(sizes)
+    forward[a], backward[g] = 5 * 2**30, 3 * 2**30
+    est = SimpleNamespace(
+        peak_bytes=5 * 2**30, device_kind="cuda", phase_peak_bytes={}, allocator_overhead=(2**20, 2**21),
+        allocations=[(1, 512), (1, -512)], initial_allocations=[],  # a shallow sample's, not the model's
+        timeline=[("forward", tuple(forward)), ("backward", tuple(backward))],
+    )  # fmt: skip
+    first = device_fit(est, "a100-40gb")
+    later = device_fit(est, "a100-40gb", gradients_kept=True)
+    assert later.allocated_peak_bytes - first.allocated_peak_bytes == 3 * 2**30
+    assert later.reserved_peak_bytes - later.allocated_peak_bytes == 2**21

@@ -311,7 +311,8 @@ def device_fit(
     events, initial = estimate.allocations, estimate.initial_allocations
     traced_peak = estimate.peak_bytes
     if gradients_kept:
-        if events:
+        # an extrapolated estimate's events are its shallow sample's: its timeline stands for the model
+        if events and getattr(estimate, "allocator_overhead", None) is None:
             later_initial, later_events = later_step(events, initial)
             traced_peak += running_peak(later_initial, later_events) - running_peak(initial, events)
             events, initial = later_events, later_initial
