@@ -309,6 +309,49 @@ def test_the_sdpa_backend_is_chosen_per_target(target, dtype, head_dim, mask, ex
     assert select_backend(target, q, k, v, attn_mask) == expected
 
 
+class _NoDropout:
+    """``torch.ops.aten`` with ``native_dropout`` as the identity, to compare with dropout-free math."""
+
+    def __getattr__(self, name: str):
+        if name == "native_dropout":
+            return lambda x, p, train: (x, torch.ones_like(x, dtype=torch.bool))
+        return getattr(torch.ops.aten, name)
+
+
+@pytest.mark.parametrize("mask", [None, "float", "bool", "causal"])
+@pytest.mark.parametrize("scale", [None, 0.3, -0.2])
+def test_math_attention_with_dropout_is_the_math_composite_op_for_op(monkeypatch, mask, scale):
+    from resource_guard.estimate import attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, dtype=torch.float64) for _ in range(3))
+    bias = {"float": torch.randn(5, 5, dtype=torch.float64), "bool": torch.rand(5, 5) > 0.3}.get(mask or "")
+    causal = mask == "causal"
+    converted = attention._as_bias(bias, q.dtype)  # as scaled_dot_product_attention hands it to the kernel
+    expected = torch.ops.aten._scaled_dot_product_attention_math(
+        q, k, v, converted, 0.0, causal, scale=scale
+    )[0]
+    monkeypatch.setattr(attention, "_aten", _NoDropout())
+    got = attention._math_with_cuda_dropout(q, k, v, converted, 0.5, causal, scale)
+    torch.testing.assert_close(got, expected)
+
+
+def test_math_attention_on_a_cuda_target_keeps_a_bool_dropout_mask():
+    from resource_guard.estimate.attention import run_backend
+
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    kept: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_backend(MATH, q, k, v, dropout_p=0.1).sum().backward()
+    probs = [dtype for shape, dtype in kept if shape == (2, 4, 16, 16)]
+    assert torch.bool in probs and probs.count(torch.float32) == 1  # the softmax output, no noise
+
+
 def test_causal_flash_needs_square_attention():
     q, k, v = _qkv()
     k_long, v_long = _qkv(seq=256)[1:]
