@@ -211,6 +211,45 @@ def test_a_cuda_target_counts_the_float32_softmax_cuda_autocast_makes():
     assert summary == "as on cuda sm80 (a100-40gb), 16-mixed, autocast policy: cuda"
 
 
+def _saved_dtypes(fn, *args):
+    saved: list[torch.dtype] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+        fn(*args)
+    return saved
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float16])
+def test_dropout_keeps_a_bool_mask_as_the_cuda_kernel_does(dtype):
+    x = torch.randn(16, 32, requires_grad=True)
+    assert _saved_dtypes(F.dropout, x, 0.1, True) == [torch.float32]  # the CPU path keeps its noise
+    with CudaAutocast(dtype):
+        assert _saved_dtypes(F.dropout, x, 0.1, True) == [torch.bool]
+        assert _saved_dtypes(nn.Dropout(0.5).train(), x) == [torch.bool]
+        assert _saved_dtypes(F.dropout, x, 0.1, False) == []  # eval: the input itself
+        assert _saved_dtypes(F.dropout, x, 0.0, True) == []
+        y = F.dropout(x, 0.1, True)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_a_cuda_target_counts_one_byte_an_element_for_a_dropout_mask():
+    model = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.1), nn.Linear(D, D))
+    batch = torch.randn(B * L, D)
+
+    def activations(device: str) -> int:
+        est = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                              lambda m, b: m(b).sum(), device=device)  # fmt: skip
+        forward = [sizes for phase, sizes in est.timeline if phase == "forward"]
+        return forward[-1][CATEGORIES.index("activations")]
+
+    n = B * L * D
+    # kept: the dropout's output (the second linear's input), the loss, and for the dropout's backward
+    # a bool mask on CUDA, a float32 noise tensor on the CPU
+    assert activations("cuda") == 4 * n + 1 * n + 4
+    assert activations("cpu") - activations("cuda") == 3 * n
+
+
 def test_every_estimate_states_the_target_it_assumed():
     model = nn.Linear(8, 8)
     batch = torch.randn(4, 8)
@@ -268,6 +307,49 @@ def test_the_sdpa_backend_is_chosen_per_target(target, dtype, head_dim, mask, ex
     q, k, v = _qkv(dtype, head_dim)
     attn_mask = torch.ones(128, 128, dtype=torch.bool) if mask else None
     assert select_backend(target, q, k, v, attn_mask) == expected
+
+
+class _NoDropout:
+    """``torch.ops.aten`` with ``native_dropout`` as the identity, to compare with dropout-free math."""
+
+    def __getattr__(self, name: str):
+        if name == "native_dropout":
+            return lambda x, p, train: (x, torch.ones_like(x, dtype=torch.bool))
+        return getattr(torch.ops.aten, name)
+
+
+@pytest.mark.parametrize("mask", [None, "float", "bool", "causal"])
+@pytest.mark.parametrize("scale", [None, 0.3, -0.2])
+def test_math_attention_with_dropout_is_the_math_composite_op_for_op(monkeypatch, mask, scale):
+    from resource_guard.estimate import attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, dtype=torch.float64) for _ in range(3))
+    bias = {"float": torch.randn(5, 5, dtype=torch.float64), "bool": torch.rand(5, 5) > 0.3}.get(mask or "")
+    causal = mask == "causal"
+    converted = attention._as_bias(bias, q.dtype)  # as scaled_dot_product_attention hands it to the kernel
+    expected = torch.ops.aten._scaled_dot_product_attention_math(
+        q, k, v, converted, 0.0, causal, scale=scale
+    )[0]
+    monkeypatch.setattr(attention, "_aten", _NoDropout())
+    got = attention._math_with_cuda_dropout(q, k, v, converted, 0.5, causal, scale)
+    torch.testing.assert_close(got, expected)
+
+
+def test_math_attention_on_a_cuda_target_keeps_a_bool_dropout_mask():
+    from resource_guard.estimate.attention import run_backend
+
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    kept: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_backend(MATH, q, k, v, dropout_p=0.1).sum().backward()
+    probs = [dtype for shape, dtype in kept if shape == (2, 4, 16, 16)]
+    assert torch.bool in probs and probs.count(torch.float32) == 1  # the softmax output, no noise
 
 
 def test_causal_flash_needs_square_attention():

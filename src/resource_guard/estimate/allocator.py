@@ -11,8 +11,22 @@ allocation events through a model of it. Constants and their sources:
   from 10 MiB up a segment of the request rounded to 2 MiB (``kRoundLarge``) is allocated.
 - A free block is split when the remainder is ≥ 512 bytes (small pool) or > 1 MiB (large pool);
   freed neighbours merge; a request takes the best-fitting free block of its pool.
-- CUDA context: 300–500 MB per process with lazy module loading (the default since CUDA 11.7 /
-  PyTorch 1.13; PyTorch's CUDA semantics notes and NVIDIA's lazy-loading notes). We use 450 MiB.
+- CUDA context (``CUDA_CONTEXT_BYTES``, 450 MiB): what a process holds outside the caching allocator
+  (driver state, the kernels loaded). With lazy module loading, PyTorch's default since 1.13 / CUDA
+  11.7 (pytorch/pytorch#86509), published figures are 287 MB (#86509's own measurement), "around
+  400MB" (PyTorch's CUDA maintainer in pytorch/pytorch#109888) and 426 MiB (PyTorch 2.10 + CUDA 13.0
+  on an RTX 6000 Ada, nvidia-smi, unslothai/unsloth-zoo#1053); 450 MiB is at the top of that range.
+  Eager loading (``CUDA_MODULE_LOADING=EAGER``, or torch < 1.13) loads every kernel up front: 667 MB
+  in #86509, 1343 MiB on a V100 with torch 1.10 (Hugging Face's "Efficient training on a single GPU",
+  used by ``benchmarks/public_gpu.py``); that is not what this figure stands for.
+- A later step with the gradients kept (``gradients_kept=True``: micro-steps 2..k of gradient
+  accumulation, or a loop that zeroes instead of freeing them, ``zero_grad(set_to_none=False)``, the
+  default before torch 2.0): the traced step starts without gradients and frees them at its end; a
+  later one starts with them allocated, and backward computes each new gradient into a temporary
+  that autograd adds into the old one (``AccumulateGrad``: ``variable_grad += new_grad``) and frees.
+  :func:`~resource_guard.estimate.later_step.later_step` rewrites the step's events so: the storages
+  born in the step and alive when its trailing frees begin (its gradients) become initial
+  allocations, their births a birth and free.
 - Per rank (:func:`rank_overhead`, :func:`rank_device_fit`): a sharded rank's persistent state is a
   few exact-size blocks allocated once, so the allocator's overhead is that of the step's own churn
   (activations, temporaries, gradients as they come and go), replayed without the persistent
@@ -34,6 +48,7 @@ from typing import Any, Protocol
 
 from resource_guard.devices import DeviceSpec, resolve_device
 from resource_guard.errors import ConfigurationError
+from resource_guard.estimate.later_step import later_peak_from_timeline, later_step, running_peak
 
 __all__ = [
     "AllocatorPeaks",
@@ -276,20 +291,41 @@ class StepMemory(Protocol):
 
 
 def device_fit(
-    estimate: StepMemory, device: str | DeviceSpec = "auto", *, headroom: float = 0.1, catalog: Any = None
+    estimate: StepMemory,
+    device: str | DeviceSpec = "auto",
+    *,
+    headroom: float = 0.1,
+    catalog: Any = None,
+    gradients_kept: bool = False,
 ) -> DeviceFit:
-    """Figures of ``estimate`` on ``device`` (a catalog name, ``"auto"``, ``"cpu"``, ``"cuda:N"``)."""
+    """Figures of ``estimate`` on ``device`` (a catalog name, ``"auto"``, ``"cpu"``, ``"cuda:N"``).
+
+    ``gradients_kept``: the figures of a later step that starts with the gradients allocated
+    (gradient accumulation's micro-steps 2..k; ``zero_grad(set_to_none=False)``); see
+    :func:`~resource_guard.estimate.later_step.later_step`.
+    """
     if not 0 <= headroom < 0.9:
         raise ConfigurationError(f"`for_device(headroom={headroom!r})` must be in [0, 0.9)")
     spec = resolve_device(device, catalog) if isinstance(device, str) else device
     notes: list[str] = []
-    peak = estimate.peak_bytes
+    events, initial = estimate.allocations, estimate.initial_allocations
+    traced_peak = estimate.peak_bytes
+    if gradients_kept:
+        # an extrapolated estimate's events are its shallow sample's: its timeline stands for the model
+        if events and getattr(estimate, "allocator_overhead", None) is None:
+            later_initial, later_events = later_step(events, initial)
+            traced_peak += running_peak(later_initial, later_events) - running_peak(initial, events)
+            events, initial = later_events, later_initial
+        else:
+            traced_peak = later_peak_from_timeline(estimate)
+        notes.append("a later step: the gradients allocated from its start (accumulation, zeroed gradients)")
+    peak = traced_peak
     gpu_kind = spec.kind in ("cuda", "rocm")
     if gpu_kind != (estimate.device_kind in ("cuda", "rocm")):
         path = "optimizer:foreach" if gpu_kind else "optimizer:for-loop"
         if path in estimate.phase_peak_bytes:
             others = [v for k, v in estimate.phase_peak_bytes.items() if not k.startswith("optimizer")]
-            peak = max([estimate.phase_peak_bytes[path], *others])
+            peak = max([estimate.phase_peak_bytes[path], *others]) + traced_peak - estimate.peak_bytes
             notes.append(
                 f"estimated for {estimate.device_kind}; the {path.split(':')[1]} optimizer path used here"
             )
@@ -304,10 +340,10 @@ def device_fit(
         notes.append("caching allocator: the rounding and fragmentation of the sampled blocks, extrapolated")
     elif gpu_kind:
         workspace = _cublas_workspace_bytes(spec.compute_capability)
-        sim = simulate_caching_allocator(estimate.allocations, estimate.initial_allocations)
-        rounding = sim.allocated_peak_bytes - estimate.peak_bytes
+        sim = simulate_caching_allocator(events, initial)
+        rounding = sim.allocated_peak_bytes - traced_peak
         allocated = peak + max(rounding, 0) + workspace
-        reserved = max(sim.reserved_peak_bytes + (peak - estimate.peak_bytes), allocated)
+        reserved = max(sim.reserved_peak_bytes + (peak - traced_peak), allocated)
         context = CUDA_CONTEXT_BYTES
         total = reserved + context
         notes.append("caching allocator modelled: 512 B rounding, 2/20 MiB segments, ≥10 MiB exact blocks")

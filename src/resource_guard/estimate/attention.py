@@ -9,7 +9,8 @@ upcasts) and a dropout mask. :func:`select_backend` applies the checks that depe
 pre-flight knows (capability, dtype, head dims, mask, causal shape); :func:`run_backend` traces the
 chosen CUDA kernel itself: the CUDA ops' meta functions run on CPU fake tensors, so the saved
 tensors are the kernel's own (log-sum-exp ``(B, H, L)`` for flash, ``(B, H, ⌈L/32⌉·32)`` for
-memory-efficient, ``(B, H, L, 1)`` for cuDNN).
+memory-efficient, ``(B, H, L, 1)`` for cuDNN). The math path with dropout is traced op for op, with
+CUDA's dropout (a ``bool`` mask kept, not the CPU composite's float noise).
 
 cuDNN attention (preferred over flash on sm90/sm100 only with cuDNN newer than 9.15, which the
 pre-flight cannot know) keeps the same bytes as flash; ``prefer_cudnn`` selects it. ROCm builds run
@@ -161,14 +162,43 @@ def run_backend(
         )[0]
     # math: CUDA upcasts fp16/bf16 to float32 (allow_fp16_bf16_reduction_math_sdp is off by default)
     dtype = query.dtype
+    attn_mask = _as_bias(attn_mask, dtype)  # as scaled_dot_product_attention converts a bool mask first
     if dtype in _LOW:
         query, key, value = query.float(), key.float(), value.float()
-        if attn_mask is not None and attn_mask.is_floating_point():
+        if attn_mask is not None:
             attn_mask = attn_mask.float()
-    out = _aten._scaled_dot_product_attention_math(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale
-    )[0]
+    if dropout_p > 0.0:
+        out = _math_with_cuda_dropout(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    else:
+        out = _aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale
+        )[0]
     return out.to(dtype) if out.dtype != dtype else out
+
+
+def _math_with_cuda_dropout(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """``_scaled_dot_product_attention_math`` with dropout, op for op (``attention.cpp``), but with the
+    dropout CUDA runs: inside the composite, ``at::dropout`` on CPU tensors keeps a float noise tensor
+    of the probabilities' size, where CUDA's ``native_dropout`` keeps a ``bool`` mask."""
+    factor = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1]))
+    q = query * (-factor if scale is not None and scale < 0 else factor)
+    if is_causal:
+        keep = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool).tril()
+        attn_mask = _as_bias(keep, query.dtype)
+    attn = torch.matmul(q, key.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        attn.add_(attn_mask)
+    attn = _aten._safe_softmax(attn, -1)
+    attn = _aten.native_dropout(attn, dropout_p, True)[0]
+    return torch.matmul(attn, value)
 
 
 def attention_for(target: Target, chosen: Counter[str]) -> Callable[..., torch.Tensor]:

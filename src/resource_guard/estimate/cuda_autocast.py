@@ -7,6 +7,12 @@ itself off, and autograd on fake CUDA tensors aborts the process. So the policy 
 ``cross_entropy`` ... and casts their arguments, caching the low-precision copy of each float32 leaf
 weight for the autocast region (a weight used twice is cast once, and its copy lives until the region
 ends or backward frees it, as on CUDA). Autograd records the casts, so backward keeps what CUDA keeps.
+
+Dropout, with or without autocast: on CUDA ``at::dropout`` runs the fused ``native_dropout`` kernel
+(``is_fused_kernel_acceptable`` in ``aten/src/ATen/native/Dropout.cpp``: a CUDA tensor, ``0 < p < 1``,
+not empty), which keeps a one-byte ``bool`` mask for backward; on the CPU it multiplies by a noise
+tensor of the input's dtype and keeps that (four bytes an element in float32). :func:`_cuda_dropout`
+runs the CUDA path. In-place dropout (``dropout_``) keeps its noise on CUDA too and is left as is.
 """
 
 from __future__ import annotations
@@ -129,6 +135,8 @@ class CudaAutocast(TorchFunctionMode):
     def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
+        if func is torch.dropout:
+            return _cuda_dropout(*args, **kwargs)
         policy = python_policy_of(func)
         if policy == "sdpa":
             return self._sdpa(func, args, kwargs)
@@ -186,6 +194,18 @@ class CudaAutocast(TorchFunctionMode):
         if self.attention is None:
             return func(*args, **kwargs)
         return self.attention(*args, **kwargs)
+
+
+def _cuda_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``torch.dropout`` as CUDA runs it: ``native_dropout`` (a ``bool`` mask saved) where fused.
+
+    >>> x = torch.randn(8, 8, requires_grad=True)
+    >>> type(_cuda_dropout(x, 0.1, True).grad_fn).__name__
+    'NativeDropoutBackward0'
+    """
+    if train and 0 < p < 1 and input.numel() > 0:
+        return torch.ops.aten.native_dropout(input, p, train)[0]
+    return torch.dropout(input, p, train)
 
 
 def _cross_entropy(

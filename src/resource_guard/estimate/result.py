@@ -106,9 +106,17 @@ class MemoryEstimate:
         return f"method: {self.method}"
 
     def for_device(
-        self, device: str | DeviceSpec = "auto", *, headroom: float = 0.1, catalog: Any = None
+        self,
+        device: str | DeviceSpec = "auto",
+        *,
+        headroom: float = 0.1,
+        catalog: Any = None,
+        gradients_kept: bool = False,
     ) -> DeviceFit:
         """What ``device`` would show for this step: allocator rounding, context, workspace, fit.
+
+        ``gradients_kept=True``: for a later step that starts with the gradients allocated (micro-steps
+        2..k of gradient accumulation, ``zero_grad(set_to_none=False)``).
 
         Example:
             >>> import torch
@@ -119,7 +127,7 @@ class MemoryEstimate:
             >>> est.for_device("a100-40gb").fits
             True
         """
-        return device_fit(self, device, headroom=headroom, catalog=catalog)
+        return device_fit(self, device, headroom=headroom, catalog=catalog, gradients_kept=gradients_kept)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary (no timeline or allocation events)."""

@@ -1,0 +1,83 @@
+"""A later step of the same training loop, one that starts with the gradients allocated.
+
+An estimate traces one step that starts without gradients and frees them at its end
+(``zero_grad(set_to_none=True)``). In micro-steps 2..k of gradient accumulation, and in every step of a
+loop that zeroes gradients instead of freeing them (``zero_grad(set_to_none=False)``, the default before
+torch 2.0; Hugging Face's Trainer calls ``model.zero_grad()``), the gradients are alive through forward
+and backward, and backward computes each new gradient into a temporary that autograd adds into the old
+one and frees (``AccumulateGrad``: ``variable_grad += new_grad`` when grad mode is off;
+``torch/csrc/autograd/functions/accumulate_grad.h``). Used by
+:func:`~resource_guard.estimate.allocator.device_fit` (``gradients_kept=True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["later_peak_from_timeline", "later_step", "running_peak"]
+
+
+def _trailing_frees(events: Sequence[tuple[int, int]]) -> int:
+    end = len(events)
+    while end > 0 and events[end - 1][1] < 0:
+        end -= 1
+    return end
+
+
+def running_peak(initial: Sequence[tuple[int, int]], events: Sequence[tuple[int, int]]) -> int:
+    """The peak of the live bytes over ``events`` from ``initial``."""
+    live = peak = sum(size for _, size in initial)
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def later_step(
+    events: Sequence[tuple[int, int]], initial: Sequence[tuple[int, int]] = ()
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``(initial, events)`` of a later step that starts with the step's gradients allocated.
+
+    The gradients are the storages born in the step and still alive where its trailing run of frees
+    (``zero_grad``) begins; each becomes an initial allocation, its birth a temporary of its size
+    born and freed at once (the new gradient, added into the old one), its trailing free dropped.
+
+    Example (storage 0 a parameter, 1 an activation, 2 and 3 gradients freed by ``zero_grad``):
+        >>> later_step([(1, 64), (2, 32), (1, -64), (3, 16), (2, -32), (3, -16)], [(0, 8)])
+        ([(0, 8), (2, 32), (3, 16)], [(1, 64), (-1, 32), (-1, -32), (1, -64), (-2, 16), (-2, -16)])
+    """
+    end = _trailing_frees(events)
+    freed_early = {uid for uid, delta in events[:end] if delta < 0}
+    kept: dict[int, int] = {}
+    for uid, delta in events[:end]:
+        if delta > 0 and uid not in freed_early:
+            kept[uid] = kept.get(uid, 0) + delta
+    out: list[tuple[int, int]] = []
+    temp = 0
+    for i, (uid, delta) in enumerate(events):
+        if uid not in kept:
+            out.append((uid, delta))
+        elif delta > 0 and i < end:
+            temp -= 1
+            out += [(temp, delta), (temp, -delta)]
+    return [*initial, *kept.items()], out
+
+
+def later_peak_from_timeline(estimate: Any) -> int:
+    """The live peak of a later step from the timeline: every forward/backward point with all the
+    gradients present (for an estimate without allocation events)."""
+    from resource_guard.estimate.tracer import CATEGORIES
+
+    g = CATEGORIES.index("gradients")
+    points = [sizes for _, sizes in estimate.timeline]
+    grads = max((sizes[g] for sizes in points), default=0)
+    later = max(
+        (
+            sum(sizes) - sizes[g] + grads
+            for phase, sizes in estimate.timeline
+            if phase in ("forward", "backward")
+        ),
+        default=0,
+    )
+    return max(int(estimate.peak_bytes), later)
