@@ -4,8 +4,8 @@ For each model (built by ``cases.py``: transformers configs without weights, and
 ``resource_guard.plan`` plans a target batch of 840 on the CPU under a ``memory_limit`` (32-true;
 activation checkpointing off, except the ``+ckpt`` rows where it is required). 840 = lcm(1..8) has
 every micro-batch from 1 to 8 as a divisor, so "the next size up" is usually ``chosen + 1``. Then the
-step is run for real on the CPU (``measure_training_step``: torch.profiler memory records) at the
-chosen micro-batch and at the next divisor up, walking further down or up if either contradicts the
+step is run for real on the CPU (``measure_training_step``: torch.profiler memory records; the last
+micro-step of accumulation, which starts with the earlier micro-steps' gradients) at the chosen micro-batch and at the next divisor up, walking further down or up if either contradicts the
 plan, which gives the largest divisor that really fits ``capacity × (1 − headroom)``.
 
 The caps are round numbers between each model's 1-sample and 16-sample peaks, fixed here in advance.
@@ -56,7 +56,9 @@ def _real_peak(builder: Callable[..., Any], micro: int, ckpt: bool) -> int:
     model, optimizer, batch, loss_fn = builder(ckpt=False, precision="32-true")
     if ckpt:
         apply_checkpointing(model)
-    return measure_training_step(model, optimizer, resize_batch(batch, micro), loss_fn).peak_bytes
+    # below TARGET the plan accumulates: its last micro-step starts with the gradients allocated
+    step = resize_batch(batch, micro)
+    return measure_training_step(model, optimizer, step, loss_fn, gradients_kept=micro < TARGET).peak_bytes
 
 
 def _largest_really_fitting(

@@ -185,6 +185,19 @@ def test_under_a_cap_the_largest_fitting_divisor_is_found_in_a_few_traces():
     assert p.fit.device_total_bytes <= p.fit.usable_bytes == int(6 * MiB * 0.9)
 
 
+def test_accumulation_is_fitted_as_its_later_micro_steps_run_with_the_gradients_kept():
+    # micro-steps 2..k start with every gradient allocated: the plan's fit is that step's, which is
+    # higher than the first micro-step's by up to the gradients (AdamW here: the ~0.3 MiB of state)
+    p = _cpu_plan(_mlp(), torch.randn(4, 64, 32), target_batch_size=60, memory_limit="6MiB")
+    assert p.accumulation_steps > 1
+    first = p.estimate.for_device(p.fit.device, headroom=0.1)
+    later = p.estimate.for_device(p.fit.device, headroom=0.1, gradients_kept=True)
+    assert later.device_total_bytes > first.device_total_bytes
+    assert p.fit.device_total_bytes == later.device_total_bytes
+    whole = _cpu_plan(_mlp(), torch.randn(4, 64, 32), target_batch_size=16)  # no accumulation
+    assert whole.fit.device_total_bytes == whole.estimate.for_device(whole.fit.device).device_total_bytes
+
+
 def test_a_prime_target_compromises_on_micro_batch_one_and_says_so():
     p = _cpu_plan(_mlp(), torch.randn(4, 64, 32), target_batch_size=13, memory_limit="4MiB")
     assert (p.micro_batch_size, p.accumulation_steps) == (1, 13)

@@ -313,7 +313,8 @@ def device_fit(
     if gradients_kept:
         # an extrapolated estimate's events are its shallow sample's: its timeline stands for the model
         if events and getattr(estimate, "allocator_overhead", None) is None:
-            later_initial, later_events = later_step(events, initial)
+            grads = getattr(estimate, "gradient_allocations", ())
+            later_initial, later_events = later_step(events, initial, grads)
             traced_peak += running_peak(later_initial, later_events) - running_peak(initial, events)
             events, initial = later_events, later_initial
         else:

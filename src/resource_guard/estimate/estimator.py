@@ -238,6 +238,7 @@ def _trace(
         timeline=_downsample(tracker.timeline, keep),
         allocations=tuple(_events_for(tracker, spans, variant)),
         initial_allocations=initial,
+        gradient_allocations=tracker.gradient_uids,
         trace_seconds=time.perf_counter() - started,
         assumed_target=forward.describe(spec.name),
         recovered_ops=recovered,

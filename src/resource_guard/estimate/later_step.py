@@ -12,7 +12,7 @@ one and frees (``AccumulateGrad``: ``variable_grad += new_grad`` when grad mode 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 __all__ = ["later_peak_from_timeline", "later_step", "running_peak"]
@@ -35,13 +35,17 @@ def running_peak(initial: Sequence[tuple[int, int]], events: Sequence[tuple[int,
 
 
 def later_step(
-    events: Sequence[tuple[int, int]], initial: Sequence[tuple[int, int]] = ()
+    events: Sequence[tuple[int, int]],
+    initial: Sequence[tuple[int, int]] = (),
+    gradients: Collection[int] = (),
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """``(initial, events)`` of a later step that starts with the step's gradients allocated.
 
-    The gradients are the storages born in the step and still alive where its trailing run of frees
-    (``zero_grad``) begins; each becomes an initial allocation, its birth a temporary of its size
-    born and freed at once (the new gradient, added into the old one), its trailing free dropped.
+    The gradients are ``gradients`` (the trace's ids, :attr:`MemoryEstimate.gradient_allocations`)
+    or, without them, the storages born in the step and still alive where its trailing run of frees
+    (``zero_grad``) begins — which also takes whatever the end of backward frees where the optimizer
+    allocates nothing (plain SGD). Each becomes an initial allocation, its birth a temporary of its
+    size born and freed at once (the new gradient, added into the old one), its frees dropped.
 
     Example (storage 0 a parameter, 1 an activation, 2 and 3 gradients freed by ``zero_grad``):
         >>> later_step([(1, 64), (2, 32), (1, -64), (3, 16), (2, -32), (3, -16)], [(0, 8)])
@@ -49,9 +53,10 @@ def later_step(
     """
     end = _trailing_frees(events)
     freed_early = {uid for uid, delta in events[:end] if delta < 0}
+    wanted = set(gradients)
     kept: dict[int, int] = {}
     for uid, delta in events[:end]:
-        if delta > 0 and uid not in freed_early:
+        if delta > 0 and (uid in wanted if wanted else uid not in freed_early):
             kept[uid] = kept.get(uid, 0) + delta
     out: list[tuple[int, int]] = []
     temp = 0

@@ -15,8 +15,8 @@ from torch import nn
 
 from resource_guard.estimate.attached import attached_tensors
 from resource_guard.estimate.quiet import quiet_profile
-from resource_guard.step.precision import parse_precision
-from resource_guard.step.training import LossFn, iter_tensors, training_step
+from resource_guard.step.precision import autocast_context, parse_precision
+from resource_guard.step.training import LossFn, call_loss_fn, iter_tensors, training_step
 
 __all__ = ["MeasuredStep", "allocation_deltas", "live_bytes", "measure_training_step", "peak_of"]
 
@@ -93,8 +93,13 @@ def measure_training_step(
     *,
     precision: str = "32-true",
     warmup_steps: int = 1,
+    gradients_kept: bool = False,
 ) -> MeasuredStep:
     """Run ``warmup_steps`` real steps (so optimizer state exists), then measure one more.
+
+    ``gradients_kept=True`` measures the last micro-step of gradient accumulation instead: one more
+    forward and backward first leaves every gradient allocated, and the measured step adds into them
+    (what ``MemoryEstimate.for_device(gradients_kept=True)`` predicts).
 
     The model and optimizer are trained for real: pass throwaway copies. For ``*-true`` precisions the
     model must already be in that dtype.
@@ -110,6 +115,11 @@ def measure_training_step(
     model.train()
     for _ in range(warmup_steps):
         training_step(model, optimizer, batch, loss_fn, spec, "cpu", loss_scale=scale)
+    if gradients_kept:  # an earlier micro-step: forward and backward, no optimizer step
+        with autocast_context(spec, "cpu"):
+            loss = call_loss_fn(model, batch, loss_fn)
+        (loss.float() * scale if scale is not None else loss).backward()
+        del loss
     gc.collect()
     start = live_bytes(model, optimizer, batch)
     with quiet_profile() as prof:

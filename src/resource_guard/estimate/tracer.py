@@ -118,6 +118,7 @@ class StorageTracker(TorchDispatchMode):
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.phase = "setup"
+        self.gradient_uids: tuple[int, ...] = ()
         self.recording = False
         self.peaks: dict[str, PeakRecord] = {}
         self.events: list[tuple[int, int]] = []  # (uid, +nbytes alloc | -nbytes free)
@@ -195,6 +196,8 @@ class StorageTracker(TorchDispatchMode):
     def start_phase(self, phase: str) -> None:
         self._settle()
         self.phase = phase
+        if phase == "zero_grad":  # the step's gradients: what a later micro-step starts with
+            self.gradient_uids = tuple(uid for _, cat, uid in self._live.values() if cat == "gradients")
         self._observe(phase, "<start>", 0)
 
     def _settle(self) -> None:

@@ -347,7 +347,7 @@ def plan(
     units = unit_param_bytes(model, precision)
     tracer = Tracer(
         model, optimizer, batch, loss_fn, precision, spec, headroom, units, world_size, blocks,
-        policy=policy, gpus_per_node=gpus_per_node,
+        policy=policy, gpus_per_node=gpus_per_node, per_rank=per_rank,
     )  # fmt: skip
     noted: dict[str, None] = {}
     with _collect_warnings(noted):

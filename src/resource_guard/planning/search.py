@@ -119,6 +119,9 @@ class Tracer:
     in that dtype (:func:`~resource_guard.estimate.sharding.trace_spec`); the others under
     ``precision``. A model with repeated blocks is traced at two shallow depths and extrapolated
     (:func:`~resource_guard.estimate.blocks.estimate_by_blocks`) unless ``by_blocks`` is False.
+    Below ``per_rank`` (gradient accumulation), a single-device or DDP candidate is fitted as its later
+    micro-steps run: with every gradient allocated from the start (``for_device(gradients_kept=True)``);
+    FSDP's gradients are sharded, and its accumulation is not modelled apart.
     """
 
     def __init__(
@@ -137,12 +140,14 @@ class Tracer:
         policy: FsdpPrecision | None = None,
         gpus_per_node: int = GPUS_PER_NODE,
         by_blocks: bool = True,
+        per_rank: int | None = None,
     ) -> None:
         self.model, self.optimizer, self.batch, self.loss_fn = model, optimizer, batch, loss_fn
         self.precision, self.device, self.headroom = precision, device, headroom
         self.units, self.world_size = tuple(units), world_size
         self.blocks = blocks  # find_checkpoint_blocks(model), found once by the planner
         self.policy, self.gpus_per_node = policy, gpus_per_node
+        self.per_rank = per_rank  # the batch per rank: a smaller micro-batch accumulates gradients
         self.sample_blocks = blocks if by_blocks and sampleable(model, blocks) else ()
         self.policy_units = self.units
         if policy is not None and policy.gathers_low_precision:
@@ -198,8 +203,10 @@ class Tracer:
         if key not in self.evaluated:
             spec = self._spec(strategy)
             est = self.trace(ckpt, micro, spec)
-            fit = est.for_device(self.device, headroom=self.headroom)
             sharded = strategy in SHARDED
+            # accumulation's micro-steps 2..k start with every (unsharded) gradient allocated
+            kept = self.per_rank is not None and micro < self.per_rank and not sharded
+            fit = est.for_device(self.device, headroom=self.headroom, gradients_kept=kept)
             low = sharded and self.policy is not None and self.policy.gathers_low_precision
             units = self.policy_units if low else self.units
             rank = rank_memory(
