@@ -5,8 +5,9 @@ For each model (built by ``cases.py``: transformers configs without weights, and
 activation checkpointing off, except the ``+ckpt`` rows where it is required). 840 = lcm(1..8) has
 every micro-batch from 1 to 8 as a divisor, so "the next size up" is usually ``chosen + 1``. Then the
 step is run for real on the CPU (``measure_training_step``: torch.profiler memory records; the last
-micro-step of accumulation, which starts with the earlier micro-steps' gradients) at the chosen micro-batch and at the next divisor up, walking further down or up if either contradicts the
-plan, which gives the largest divisor that really fits ``capacity × (1 − headroom)``.
+micro-step of accumulation, which starts with the earlier micro-steps' gradients) at the chosen
+micro-batch and at the next divisor up, walking further down or up if either contradicts the plan,
+which gives the largest divisor that really fits ``capacity × (1 − headroom)``.
 
 The caps are round numbers between each model's 1-sample and 16-sample peaks, fixed here in advance.
 Prints one row per model and a summary; the exit code is always 0 (a report: read the PASS/FAIL line).
