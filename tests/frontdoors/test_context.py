@@ -24,7 +24,7 @@ def mse(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 class Wide(nn.Module):
-    """An MLP whose activations dominate memory (no batch-dependent layers)."""
+    """An MLP with a 16 MiB weight and ~64 KiB of activations a sample (no batch-dependent layers)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,14 +56,18 @@ def run(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, **kwarg
 
 
 def cap_between(micro: int, full: int) -> int:
-    """A memory limit under which batch ``micro`` fits and batch ``full`` does not (10% headroom)."""
+    """A memory limit under which batch ``full`` does not fit and accumulating micro-batches of ``micro``
+    does (10% headroom): their later micro-steps start with the gradients allocated."""
     model = Wide()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cpu = resolve_device("cpu")
     small, big = (
-        device_fit(estimate_memory(model, opt, data(1, b)[0], mse, device="cpu"), cpu).device_total_bytes
-        for b in (micro, full)
+        device_fit(
+            estimate_memory(model, opt, data(1, b)[0], mse, device="cpu"), cpu, gradients_kept=kept
+        ).device_total_bytes
+        for b, kept in ((micro, True), (full, False))
     )
+    assert small < big, "accumulation cannot fit where the full batch does not"
     return int((small + big) / 2 / 0.9)
 
 
@@ -79,12 +83,12 @@ def test_a_cap_forces_accumulation_and_the_step_equals_the_unsplit_batch() -> No
     torch.manual_seed(0)
     model = Wide()
     reference = copy.deepcopy(model)
-    batches = data(1, 64)
-    limit = cap_between(16, 64)
+    batches = data(1, 1024)  # activations (~64 KiB a sample) outweigh the 16 MiB weight's gradient
+    limit = cap_between(256, 1024)
     g = run(model, torch.optim.SGD(model.parameters(), lr=0.5), batches, memory_limit=limit)
     assert g.plan is not None
-    assert g.plan.micro_batch_size < 64 and g.plan.accumulation_steps > 1
-    assert g.plan.micro_batch_size * g.plan.accumulation_steps == 64
+    assert g.plan.micro_batch_size < 1024 and g.plan.accumulation_steps > 1
+    assert g.plan.micro_batch_size * g.plan.accumulation_steps == 1024
     assert g.micro_steps == g.plan.accumulation_steps and g.optimizer_steps == 1
 
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
