@@ -6,7 +6,8 @@ DeBERTa-v2, Swin, ConvNeXt, MobileNetV2, Whisper, BART, a ``torch.compile``'d mo
 of the compiled module is estimated, and the estimate says so), peft LoRA where peft is installed,
 and an FSDP2-sharded LLaMA on 2 real gloo CPU ranks (``fully_shard`` per decoder layer and the root;
 rank 0 estimates its sharded module, then both ranks train and rank 0 measures its own step: the
-smallest of three, the largest shown beside it), each
+smallest of the steps the profiler recorded whole, the largest shown beside it; and a wider, shallower
+one), each
 in 32-true and bf16-mixed (FSDP2: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
 with autocast on top). For every case: the estimate's method (traced,
 traced-recovered or analytic), which operators were recovered, and the error against
@@ -44,6 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import native_stderr_silenced  # noqa: E402
 
 from resource_guard.estimate import estimate_memory, measure_training_step  # noqa: E402
+from resource_guard.estimate.measure import live_bytes  # noqa: E402
+from resource_guard.estimate.quiet import quiet_profile  # noqa: E402
+from resource_guard.step.precision import parse_precision  # noqa: E402
+from resource_guard.step.training import training_step  # noqa: E402
 
 __all__ = ["FAMILIES", "build"]
 
@@ -292,8 +297,26 @@ if importlib.util.find_spec("peft") is not None:
     FAMILIES["peft-lora-llama"] = peft_lora
     if importlib.util.find_spec("bitsandbytes") is not None:
         FAMILIES["qlora-4bit-llama"] = qlora
+
+
+def fsdp2_llama_wide() -> tuple[nn.Module, Any]:
+    """A wider, shallower LLaMA (hidden 128, 4 layers), sharded as :func:`fsdp2_llama`: its bf16-mixed
+    peak is a backward prefetch, where the all-gather input (the shards cast to bf16) counts."""
+    import transformers as T
+
+    cfg = T.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    ids = _ids(512, 4, 32)
+    return T.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+
+
 FSDP_RANKS = 2
-SHARDED: dict[str, Callable[[], tuple[nn.Module, Any]]] = {"fsdp2-llama-2rank": fsdp2_llama}
+SHARDED: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
+    "fsdp2-llama-2rank": fsdp2_llama,
+    "fsdp2-llama-wide-2rank": fsdp2_llama_wide,
+}
 """Families run sharded by FSDP2 over ``FSDP_RANKS`` real gloo CPU ranks."""
 _LOSS = {"compiled-mlp": _xent}
 
@@ -336,6 +359,50 @@ def _shard(model: nn.Module, precision: str) -> None:
     fully_shard(model, mp_policy=policy)
 
 
+STEPS = 6
+"""Measured steps per sharded case; the truth is the smallest whole one (see ``_measured_sharded_step``)."""
+
+
+def _measured_sharded_step(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: Any, spec: Any
+) -> tuple[int, bool]:
+    """One real step of this rank: its peak bytes (as ``measure_training_step``), and whether the
+    profiler's record of it is whole.
+
+    Under gloo some frees are missing from the records: the last reference to a collective's buffers
+    (the reduce-scatter input's clone that gloo's work holds, an all-gather output) is sometimes dropped
+    on gloo's worker thread, after the work ran and outside the profiler's thread state. The memory is
+    freed (a later allocation of the step gets the same address) but the running total stays that much
+    too high. A record is whole when no allocation reuses the address of a block still counted live and
+    every block allocated in the step is freed by its end.
+    """
+    from torch._C._profiler import _EventType
+
+    gc.collect()
+    start = live_bytes(model, opt, batch)
+    with quiet_profile() as prof:
+        training_step(model, opt, batch, None, spec, "cpu")
+    events: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
+        stack.extend(node.children)
+    live: set[int] = set()
+    running = peak = 0
+    whole = True
+    for _, size, ptr in sorted(events):
+        if size > 0:
+            whole = whole and ptr not in live  # an address handed out again: its free went unrecorded
+            live.add(ptr)
+        else:
+            live.discard(ptr)
+        running += size
+        peak = max(peak, running)
+    return start + peak, whole and not live
+
+
 def _sharded_rank(rank: int, name: str, precision: str, path: str, port: int) -> None:
     """One gloo rank: shard, (rank 0) estimate the sharded module, then train and measure."""
     import torch.distributed as dist
@@ -355,13 +422,16 @@ def _sharded_rank(rank: int, name: str, precision: str, path: str, port: int) ->
             with native_stderr_silenced():
                 est = estimate_memory(model, opt, batch, precision=precision, device="cpu")
             lines = [str(est.peak_bytes), est.method, est.layout.describe(), *est.warnings]  # type: ignore[attr-defined]
-        # The smallest of three measured steps (the largest is shown beside it): in some runs a free of
-        # one reduce-scatter-sized buffer is missing from the profiler's records within the step (the
-        # step ends that much above where it began), likely one done on a gloo worker thread.
-        peaks = [measure_training_step(model, opt, batch, precision=precision).peak_bytes for _ in range(3)]
+        spec = parse_precision(precision)
+        for _ in range(2):  # warm-up: optimizer state
+            training_step(model, opt, batch, None, spec, "cpu")
+        steps = [_measured_sharded_step(model, opt, batch, spec) for _ in range(STEPS)]
+        whole = [peak for peak, ok in steps if ok]
         if rank == 0:
             with open(path, "w") as f:
-                f.write("\n".join([str(min(peaks)), str(max(peaks)), *lines]))
+                true = min(whole or [peak for peak, _ in steps])
+                most = max(peak for peak, _ in steps)
+                f.write("\n".join([str(true), str(most), str(len(whole)), *lines]))
     finally:
         dist.destroy_process_group()
 
@@ -377,9 +447,10 @@ def run_sharded(name: str, precision: str) -> dict[str, Any]:
             port = sock.getsockname()[1]
         mp.spawn(_sharded_rank, args=(name, precision, path, port), nprocs=FSDP_RANKS)
         with open(path) as f:
-            true, most, est, method, sharding, *notes = f.read().split("\n")
+            true, most, whole, est, method, sharding, *notes = f.read().split("\n")
     row: dict[str, Any] = {"case": f"{name}/{precision}", "true": int(true), "est": int(est)}
     row.update(method=method, recovered=(), notes=tuple(notes), sharding=sharding, true_max=int(most))
+    row["whole_steps"] = int(whole)
     row["error_pct"] = 100.0 * (row["est"] - row["true"]) / row["true"]
     return row
 
@@ -413,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             what = row["method"] + (": " + "; ".join(row["recovered"]) if row["recovered"] else "")
             if "sharding" in row:
                 what += (
-                    f" ({row['sharding']}; rank 0, largest measured step {row['true_max'] / 1024:.1f} KiB)"
+                    f" ({row['sharding']}; rank 0, {row['whole_steps']}/{STEPS} steps wholly recorded, "
+                    f"largest recorded {row['true_max'] / 1024:.1f} KiB)"
                 )
             print(
                 f"{row['case']:<28} {row['true'] / 1024:>10.1f} {row['est'] / 1024:>10.1f} "
