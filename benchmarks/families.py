@@ -363,25 +363,20 @@ STEPS = 8
 """Measured steps per sharded case; the truth is the smallest whole one (see ``_measured_sharded_step``)."""
 
 
-def _measured_sharded_step(
-    model: nn.Module, opt: torch.optim.Optimizer, batch: Any, spec: Any
-) -> tuple[int, bool]:
-    """One real step of this rank: its peak bytes (as ``measure_training_step``), and whether the
-    profiler's record of it is whole.
+def recorded_peak(prof: torch.profiler.profile) -> tuple[int, bool]:
+    """The highest running total of a profiled step's CPU allocations (as ``measure_training_step``),
+    and whether the profiler's record of the step is whole.
 
     Under gloo some frees are missing from the records: the last reference to a collective's buffers
-    (the reduce-scatter input's clone that gloo's work holds, an all-gather output) is sometimes dropped
-    on gloo's worker thread, after the work ran and outside the profiler's thread state. The memory is
-    freed (a later allocation of the step gets the same address) but the running total stays that much
-    too high. A record is whole when no allocation reuses the address of a block still counted live and
-    every block allocated in the step is freed by its end.
+    (the clone of the reduce-scatter input that gloo's work holds, an all-gather output) is sometimes
+    dropped on gloo's worker thread after the work ran, where the profiler records nothing (a tensor
+    freed on another thread leaves no record). The memory is freed (a later allocation of the step gets
+    the same address) but the running total stays that much too high. A record is whole when no
+    allocation reuses the address of a block still counted live and every block allocated in the step
+    is freed by its end.
     """
     from torch._C._profiler import _EventType
 
-    gc.collect()
-    start = live_bytes(model, opt, batch)
-    with quiet_profile() as prof:
-        training_step(model, opt, batch, None, spec, "cpu")
     events: list[tuple[int, int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
     while stack:
@@ -400,7 +395,19 @@ def _measured_sharded_step(
             live.discard(ptr)
         running += size
         peak = max(peak, running)
-    return start + peak, whole and not live
+    return peak, whole and not live
+
+
+def _measured_sharded_step(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: Any, spec: Any
+) -> tuple[int, bool]:
+    """One real step of this rank: its peak bytes, and whether the record is whole (``recorded_peak``)."""
+    gc.collect()
+    start = live_bytes(model, opt, batch)
+    with quiet_profile() as prof:
+        training_step(model, opt, batch, None, spec, "cpu")
+    peak, whole = recorded_peak(prof)
+    return start + peak, whole
 
 
 def _sharded_rank(rank: int, name: str, precision: str, path: str, port: int) -> None:
