@@ -6,7 +6,7 @@ DeBERTa-v2, Swin, ConvNeXt, MobileNetV2, Whisper, BART, a ``torch.compile``'d mo
 of the compiled module is estimated, and the estimate says so), peft LoRA where peft is installed,
 and an FSDP2-sharded LLaMA on 2 real gloo CPU ranks (``fully_shard`` per decoder layer and the root;
 rank 0 estimates its sharded module, then both ranks train and rank 0 measures its own step: the
-smallest of the steps the profiler recorded whole, the largest shown beside it; and a wider, shallower
+smallest of the steps whose peak the profiler recorded whole, the largest beside it; and a wider, shallower
 one), each
 in 32-true and bf16-mixed (FSDP2: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
 with autocast on top). For every case: the estimate's method (traced,
@@ -360,20 +360,20 @@ def _shard(model: nn.Module, precision: str) -> None:
 
 
 STEPS = 8
-"""Measured steps per sharded case; the truth is the smallest whole one (see ``_measured_sharded_step``)."""
+"""Measured steps per sharded case; the truth is the smallest whole one (see ``recorded_peak``)."""
 
 
 def recorded_peak(prof: torch.profiler.profile) -> tuple[int, bool]:
     """The highest running total of a profiled step's CPU allocations (as ``measure_training_step``),
-    and whether the profiler's record of the step is whole.
+    and whether the profiler recorded it whole.
 
     Under gloo some frees are missing from the records: the last reference to a collective's buffers
     (the clone of the reduce-scatter input that gloo's work holds, an all-gather output) is sometimes
     dropped on gloo's worker thread after the work ran, where the profiler records nothing (a tensor
     freed on another thread leaves no record). The memory is freed (a later allocation of the step gets
-    the same address) but the running total stays that much too high. A record is whole when no
-    allocation reuses the address of a block still counted live and every block allocated in the step
-    is freed by its end.
+    the same address) but the running total stays that much too high from then on. The peak is whole
+    when every block alive at it has its free recorded later in the step (before its address is handed
+    out again); otherwise a block counted there may already have been freed.
     """
     from torch._C._profiler import _EventType
 
@@ -384,18 +384,23 @@ def recorded_peak(prof: torch.profiler.profile) -> tuple[int, bool]:
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
             events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
         stack.extend(node.children)
-    live: set[int] = set()
+    events.sort()
+    live: dict[int, int] = {}  # address -> index of its allocation
+    lost = 0  # blocks still counted whose address was handed out again: their free went unrecorded
+    freed: set[int] = set()  # allocations whose free was recorded
     running = peak = 0
+    at_peak: list[int] = []
     whole = True
-    for _, size, ptr in sorted(events):
+    for i, (_, size, ptr) in enumerate(events):
         if size > 0:
-            whole = whole and ptr not in live  # an address handed out again: its free went unrecorded
-            live.add(ptr)
-        else:
-            live.discard(ptr)
+            lost += ptr in live
+            live[ptr] = i
+        elif ptr in live:
+            freed.add(live.pop(ptr))
         running += size
-        peak = max(peak, running)
-    return peak, whole and not live
+        if running > peak:
+            peak, at_peak, whole = running, list(live.values()), not lost
+    return peak, whole and all(i in freed for i in at_peak)
 
 
 def _measured_sharded_step(
@@ -491,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             what = row["method"] + (": " + "; ".join(row["recovered"]) if row["recovered"] else "")
             if "sharding" in row:
                 what += (
-                    f" ({row['sharding']}; rank 0, {row['whole_steps']}/{STEPS} steps wholly recorded, "
+                    f" ({row['sharding']}; rank 0, {row['whole_steps']}/{STEPS} steps with a whole peak, "
                     f"largest recorded {row['true_max'] / 1024:.1f} KiB)"
                 )
             print(

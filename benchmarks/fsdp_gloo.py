@@ -3,7 +3,7 @@
 Each rank trains a small residual MLP stack (8 blocks) for two warm-up steps, then four measured
 steps under torch.profiler's memory records (rank 0); the measured per-rank peak is the live bytes at
 the start of the step (parameter shards, optimizer state, batch; gradients are set to None) plus the
-highest running total of the step's allocations, of the smallest step the profiler recorded whole
+highest running total of the step's allocations, of the smallest step whose peak the profiler recorded whole
 (``families.recorded_peak``: gloo frees some collective buffers on its worker thread, unrecorded).
 The prediction is :func:`resource_guard.planning.strategy.rank_memory` of a single-device trace, under FSDP's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` and under DDP with fp32. DDP's
@@ -102,7 +102,7 @@ def _worker(rank: int, strategy: str, path: str, port: int) -> None:
     start = _local_bytes([*model.parameters(), *state, x])
     if strategy == "ddp":  # the reducer's buckets: one copy of every gradient, kept for the run
         start += sum(p.numel() * p.element_size() for p in model.parameters())
-    steps = []  # (peak, whole): the smallest wholly recorded step is the truth (families.recorded_peak)
+    steps = []  # (peak, whole): the smallest step with a whole peak is the truth (families.recorded_peak)
     for _ in range(4):
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True

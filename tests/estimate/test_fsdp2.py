@@ -238,7 +238,7 @@ def test_two_real_gloo_ranks_agree_with_the_per_rank_estimate(
         row = families.run_sharded(name, precision)
     assert row["method"] == "traced"
     assert -2.0 <= row["error_pct"] <= 3.0, row
-    # Against a step the profiler recorded whole (gloo frees some collective buffers on its worker
+    # Against a step whose peak the profiler recorded whole (gloo frees some collective buffers on its worker
     # thread, where nothing is recorded, so a partly recorded step reads high), the rank's buffers are
     # FSDP2's: within 1% (the wider LLaMA's bf16-mixed was -1.8% without the all-gather's cast input).
     if row["whole_steps"]:
