@@ -6,8 +6,10 @@ two real gloo ranks (``benchmarks/families.py``'s FSDP2 case) and compares with 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from resource_guard import ConfigurationError, estimate_memory, measure_training_step, plan
-from resource_guard.estimate.fsdp2 import _unit_groups, is_fully_sharded, sharded_layout
+from resource_guard.estimate.fsdp2 import _unit_groups, is_fully_sharded, sharded_layout, unsharded_copy
 from resource_guard.estimate.fsdp2_step import ShardedEstimate
 
 pytestmark = pytest.mark.skipif(
@@ -176,20 +178,71 @@ def test_fsdp1_is_refused_with_the_remedy(gloo: None) -> None:
         estimate_memory(model, torch.optim.AdamW(model.parameters()), BATCH, _loss)
 
 
+class _BufferRecorder:
+    """Stands in for the trace's storage tracker: the live bytes of what is tracked, and their peak."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def track(self, t: torch.Tensor, category: str | None = None) -> None:
+        nbytes = t.untyped_storage().nbytes()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._free, nbytes)
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def test_the_all_gather_input_is_a_copy_only_when_cast(gloo: None) -> None:
+    """FSDP2 casts a rank's shards to a ``param_dtype`` unlike theirs into one flat all-gather input."""
+    fp32, bf16 = sharded_layout(_sharded()), sharded_layout(_sharded(_bf16()))
+    assert all(u.copy_in_bytes == 0 for u in fp32.units)  # the input is a view of the output
+    # one rank: the shard is the whole unit, in bf16 (what is gathered)
+    assert all(u.copy_in_bytes == u.gathered_bytes > 0 for u in bf16.units)
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_an_all_gather_holds_its_input_its_output_and_gloos_copy_at_once(gloo: None, cast: bool) -> None:
+    """Two ranks' pre-forward of one unit: the cast input, the flat output and gloo's own flat copy
+    are alive together (measured: the wider LLaMA's bf16-mixed peak, a backward prefetch, was 1.8% under
+    without the input); the input is freed when the all-gather returns, before the copy-out."""
+    model = _sharded(_bf16() if cast else None, per_block=False)
+    layout = sharded_layout(model)
+    (root,) = layout.units
+    gathered = root.gathered_bytes  # the unit's bytes, gathered on any number of ranks
+    copy_in = gathered // 2 if cast else 0  # this rank's half, cast
+    two_ranks = dataclasses.replace(
+        layout, shard_world=2, units=(dataclasses.replace(root, copy_in_bytes=copy_in),)
+    )
+    copied, _, buffers = unsharded_copy(model, two_ranks, torch.optim.SGD)
+    recorder = _BufferRecorder()
+    buffers.bind(recorder)  # type: ignore[arg-type]
+    with torch.no_grad():
+        copied(torch.empty(8, 64, device="meta", dtype=two_ranks.param_dtype))
+    assert recorder.peak == 2 * gathered + copy_in
+    assert recorder.live == gathered  # the root stays gathered to its backward; the rest is freed
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp2-llama-2rank", "fsdp2-llama-wide-2rank"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_two_real_gloo_ranks_agree_with_the_per_rank_estimate(
-    precision: str, monkeypatch: pytest.MonkeyPatch
+    name: str, precision: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("transformers")
     monkeypatch.syspath_prepend(str(BENCH))  # the spawned ranks import the worker by name
     families = importlib.import_module("families")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        row = families.run_sharded("fsdp2-llama-2rank", precision)
+        row = families.run_sharded(name, precision)
     assert row["method"] == "traced"
     assert -2.0 <= row["error_pct"] <= 3.0, row
-    assert row["est"] >= 0.98 * row["true_max"], row  # nor under the largest measured step by more than 2%
+    # Against a step whose peak the profiler recorded whole (gloo frees some collective buffers on its worker
+    # thread, where nothing is recorded, so a partly recorded step reads high), the rank's buffers are
+    # FSDP2's: within 1% (the wider LLaMA's bf16-mixed was -1.8% without the all-gather's cast input).
+    if row["whole_steps"]:
+        assert abs(row["error_pct"]) <= 1.0, row
 
 
 def test_the_module_example_runs() -> None:

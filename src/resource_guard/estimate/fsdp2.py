@@ -176,7 +176,7 @@ def sharded_layout(model: nn.Module) -> ShardedLayout:
     meshes: set[tuple[int, int]] = set()
     masters: set[torch.dtype] = set()
     for name, module, root in _units(model, fsdp_cls):
-        nbytes, trainable, reshards = 0, 0, True
+        nbytes, trainable, copy_in, reshards = 0, 0, 0, True
         for g in _unit_groups(module):
             if g.offloads:
                 raise ConfigurationError(
@@ -195,9 +195,13 @@ def sharded_layout(model: nn.Module) -> ShardedLayout:
                 size = _padded_numel(p) * (param_dtype if p.is_floating_point() else p.dtype).itemsize
                 nbytes += size
                 trainable += size if p.requires_grad else 0
+                # FSDP2 casts a floating shard to a param_dtype unlike its own into a flat all-gather
+                # input (`_get_param_all_gather_inputs`); otherwise the input is a view of the output
+                if p.is_floating_point() and param_dtype != p.dtype:
+                    copy_in += size // _mesh_sizes(p)[0]
             # FSDP2 keeps a root gathered from forward to backward unless reshard_after_forward was set
             reshards = reshards and g.reshards and not (root and g.auto_reshard)
-        units.append(Unit(name, nbytes, reshards, trainable))
+        units.append(Unit(name, nbytes, reshards, trainable, copy_in))
     if len(policies) != 1 or len(masters) > 1 or len(meshes) != 1:
         raise ConfigurationError(
             f"{who}: the fully_shard units differ in MixedPrecisionPolicy, parameter dtype or mesh "

@@ -6,7 +6,10 @@ what one rank's FSDP2 allocates and frees around each unit, in the order FSDP2 d
 the ``FSDP::`` records of a real 2-rank gloo step; torch 2.13 ``_fsdp_param_group.py``,
 ``_fsdp_collectives.py``):
 
-- pre-forward: the all-gather's flat output (the unit's unsharded bytes in ``param_dtype``; gloo
+- pre-forward: with mixed precision (``param_dtype`` unlike the parameters'), the all-gather input:
+  the rank's shards cast to ``param_dtype`` into one flat buffer (``_get_param_all_gather_inputs``'
+  foreach copy), alive until the all-gather returns (without a cast the input is a view of the
+  output); the all-gather's flat output (the unit's unsharded bytes in ``param_dtype``; gloo
   first gathers into a flat copy of its own, freed at once), the copy-out into the unsharded
   parameters (as many bytes again); the flat output is kept until the next unit's all-gather (the
   end of forward for the last), and the previous unit's is freed (one rank: no flat output, the
@@ -59,12 +62,16 @@ def _short(dtype: torch.dtype) -> str:
 class Unit:
     """One ``fully_shard`` unit: its module path, unsharded bytes in ``param_dtype`` (dim 0 padded to
     the shard world, as FSDP2 gathers), whether it reshards after forward (``False``: gathered from
-    its forward to its backward), and the bytes of its trainable parameters (what it reduce-scatters)."""
+    its forward to its backward), the bytes of its trainable parameters (what it reduce-scatters), and
+    the bytes of its all-gather input when that is a copy (the rank's shards of the floating
+    parameters cast to ``param_dtype``; 0 when ``param_dtype`` is theirs: the input is then a view of
+    the output)."""
 
     name: str
     gathered_bytes: int
     reshards: bool
     trainable_bytes: int
+    copy_in_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,7 @@ class RankBuffers:
         self.layout = layout
         self.sizes = [u.gathered_bytes for u in layout.units]
         self.trainable = [u.trainable_bytes for u in layout.units]
+        self.copy_in = [u.copy_in_bytes for u in layout.units]
         self.reshards = [u.reshards for u in layout.units]
         self.managed = [paths for _, paths in units]
         self.tracker: StorageTracker | None = None
@@ -219,9 +227,12 @@ class RankBuffers:
         """The all-gather's flat output (none on one rank: the shard is copied out directly)."""
         if self.layout.shard_world == 1:
             return None
+        # the shards cast to param_dtype (foreach_all_gather's input), freed when the all-gather returns
+        copy_in = self._alloc(self.copy_in[i]) if self.copy_in[i] else None
         flat = self._alloc(self.sizes[i])
         if self.layout.device_type == "cpu":  # gloo gathers into a flat copy of its own first (measured)
             self._alloc(self.sizes[i])
+        del copy_in
         return flat
 
     def _gather(self, i: int, forward: bool) -> None:
