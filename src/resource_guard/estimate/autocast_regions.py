@@ -33,6 +33,16 @@ routed (and given back when the last one leaves, also on error); the wrappers do
 every other thread and device. Regions created before the trace (a decorator applied at import) with
 ``"cuda"`` and ``enabled=True`` were already switched off by torch on this host: they stay off.
 tests/estimate/test_autocast_regions.py fails loudly if these entry points move.
+
+Example:
+    >>> from resource_guard.estimate.cuda_autocast import CudaAutocast
+    >>> x, w = torch.randn(2, 4), torch.nn.Parameter(torch.randn(4, 4))
+    >>> with CudaAutocast(torch.bfloat16):
+    ...     with torch.autocast(x.device.type, enabled=False):  # x.device.type: "cpu" here
+    ...         inside = (x @ w).dtype
+    ...     outside = (x @ w).dtype
+    >>> inside, outside
+    (torch.float32, torch.bfloat16)
 """
 
 from __future__ import annotations

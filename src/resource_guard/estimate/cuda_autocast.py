@@ -7,6 +7,9 @@ itself off, and autograd on fake CUDA tensors aborts the process. So the policy 
 ``cross_entropy`` ... and casts their arguments, caching the low-precision copy of each float32 leaf
 weight for the autocast region (a weight used twice is cast once, and its copy lives until the region
 ends or backward frees it, as on CUDA). Autograd records the casts, so backward keeps what CUDA keeps.
+The state it applies is the thread's CUDA autocast state, which the autocast regions the model opens
+inside change as on a GPU (:mod:`resource_guard.estimate.autocast_regions`): ``enabled=False`` turns
+the policy off, a region with another dtype switches it.
 
 Dropout, with or without autocast: on CUDA ``at::dropout`` runs the fused ``native_dropout`` kernel
 (``is_fused_kernel_acceptable`` in ``aten/src/ATen/native/Dropout.cpp``: a CUDA tensor, ``0 < p < 1``,
@@ -74,7 +77,8 @@ class CudaAutocast(TorchFunctionMode):
     """CUDA autocast (``dtype`` float16 or bfloat16) applied to CPU fake tensors, for the forward pass.
 
     ``attention`` runs ``scaled_dot_product_attention`` after its inputs were cast (see
-    :mod:`resource_guard.estimate.attention`); ``dtype=None`` applies no autocast, only that.
+    :mod:`resource_guard.estimate.attention`); ``dtype=None`` applies no autocast of its own, only that
+    (a region the model opens may still turn autocast on, as on a GPU).
     ``calls`` counts, per policy, the calls that were cast. ``cache=False`` casts weights afresh each
     time (activation checkpointing recomputes a block in its own short autocast region).
 

@@ -270,12 +270,13 @@ def target_forward(
 ) -> tuple[PrecisionSpec, LossFn | None, TargetForward]:
     """The precision and loss function to hand ``training_step`` so its forward runs as on ``target``.
 
-    On a CUDA-like target the forward runs under :class:`~resource_guard.estimate.target.CudaAutocast`
+    On a CUDA-like target the forward runs under :class:`~resource_guard.estimate.cuda_autocast.CudaAutocast`
     (CUDA's op lists, emulated; the CPU autocast of ``training_step`` is switched off by handing it the
     precision without autocast) and ``scaled_dot_product_attention`` runs the kernel the target would
     pick (:mod:`resource_guard.estimate.attention`); in backward, only what activation checkpointing
-    recomputes, while the record is entered as a context. The optimizer step and loss scaling are
-    unchanged. Other targets trace as they are.
+    recomputes, while the record is entered as a context. Autocast regions the model opens inside are
+    honoured as on the GPU (:mod:`resource_guard.estimate.autocast_regions`). The optimizer step and
+    loss scaling are unchanged. Other targets trace as they are.
     """
     if not target.cuda_like:
         return spec, loss_fn, TargetForward(target, "cpu" if spec.autocast_dtype else "none")
