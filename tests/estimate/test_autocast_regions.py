@@ -354,3 +354,35 @@ def test_llama_rotary_cos_sin_stay_float32_on_a_cuda_target():
                           precision="bf16-mixed", device="a100-40gb")  # fmt: skip
     assert est.method == "traced", est.warnings
     assert seen and set(seen) == {torch.float32}  # cos and sin, as a GPU computes them
+
+
+class _Scaled(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")  # backward runs under the forward's autocast state
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return grad @ w.t(), x.t() @ grad
+
+
+def test_custom_bwd_regions_in_backward_are_routed_quietly():
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(D, D))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _Scaled.apply(x.flatten(0, 1), self.w).float().pow(2).mean()
+
+    model = Model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # "CUDA is not available ... Disabling autocast"
+        est = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(B, L, D),
+                              lambda m, b: m(b), precision="bf16-mixed", device="a100-40gb")  # fmt: skip
+    assert est.method == "traced", est.warnings
+    assert _entry_points() == ORIGINALS
