@@ -8,6 +8,7 @@ tests/test_gpu.py checks real ``torch.autocast("cuda")`` against the emulation.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -102,3 +103,74 @@ CASES: dict[str, tuple[Callable[[dict[str, Any]], torch.Tensor], str | torch.dty
 
 def expected_dtype(expected: str | torch.dtype, low: torch.dtype) -> torch.dtype:
     return low if expected == LOW else expected  # type: ignore[return-value]
+
+
+# -- autocast regions a model opens inside the step's region ------------------------------------------
+# Each case maps a name to ``(fn, expected)``: ``fn(t)`` returns a tuple of tensors computed under the
+# step's autocast (``LOW``) with regions of its own, ``expected`` their dtypes on CUDA. The regions name
+# ``x.device.type`` as models do: "cuda" on a GPU, "cpu" for the fake tensors of an estimate.
+class _Fp32Matmul(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return a @ b  # float32 only if the low-precision ``a`` was cast and autocast is off inside
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        return grad @ b.t(), a.t() @ grad
+
+
+@torch.autocast("cuda", enabled=False)  # built at import, before any estimate
+def _fp32_scores(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x @ w).softmax(-1)
+
+
+def _enabled_false(t: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    x, w = t["x"], t["w"]
+    outside = F.linear(x, w)
+    with torch.autocast(x.device.type, enabled=False):
+        scores = x @ w
+        probs = torch.softmax(scores, -1)
+        kept_low = F.linear(outside, w.to(outside.dtype))  # autocast off: the input's dtype
+    return outside, scores, probs, kept_low, x @ w
+
+
+def _cuda_amp_enabled_false(t: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.cuda.amp.autocast is deprecated
+        region = torch.cuda.amp.autocast(enabled=False)
+    with region:
+        inside = t["x"] @ t["w"]
+    return inside, t["x"] @ t["w"]
+
+
+def _nested_dtype(t: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    x = t["x"]
+    w = nn.Parameter(t["w"].detach().clone())  # a weight no enclosing region has cast and cached
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        half = F.linear(x, w)
+        with torch.autocast(x.device.type, enabled=False):
+            full = F.linear(x, w)
+            with torch.autocast(x.device.type):  # no dtype: the device's, as the float16 region set it
+                again = F.linear(x, w)
+    return half, full, again, F.linear(x, t["w"])
+
+
+def _custom_fwd(t: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    return (_Fp32Matmul.apply(_low(t), t["w"]),)
+
+
+def _decorated(t: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    return _fp32_scores(t["x"], t["w"]), t["x"] @ t["w"]
+
+
+REGION_CASES: dict[str, tuple[Callable[[dict[str, Any]], tuple[torch.Tensor, ...]], tuple[Any, ...]]] = {
+    "enabled_false": (_enabled_false, (LOW, torch.float32, torch.float32, LOW, LOW)),
+    "cuda_amp_enabled_false": (_cuda_amp_enabled_false, (torch.float32, LOW)),
+    "nested_dtype": (_nested_dtype, (torch.float16, torch.float32, torch.float16, LOW)),
+    "custom_fwd_cast_inputs": (_custom_fwd, (torch.float32,)),
+    "decorator_built_at_import": (_decorated, (torch.float32, LOW)),
+}

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autocast_cases import CASES, make_inputs
+from autocast_cases import CASES, REGION_CASES, make_inputs
 from resource_guard import estimate_memory, guard
 from resource_guard.estimate.attention import CUDNN, EFFICIENT, FLASH, MATH, select_backend
 from resource_guard.estimate.cuda_autocast import CudaAutocast
@@ -90,6 +90,19 @@ def test_emulated_autocast_dtypes_match_real_cuda_autocast(case: str, low: torch
     with CudaAutocast(low):
         emulated = fn(make_inputs(low, "cpu"))
     assert emulated.dtype == real.dtype
+
+
+@pytest.mark.parametrize("low", _LOW_DTYPES, ids=str)
+@pytest.mark.parametrize("case", sorted(REGION_CASES))
+def test_regions_a_model_opens_give_the_dtypes_of_real_cuda_autocast(case: str, low: torch.dtype) -> None:
+    if low == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    fn, _ = REGION_CASES[case]
+    with torch.autocast("cuda", dtype=low):
+        real = fn(make_inputs(low, "cuda"))  # the regions name x.device.type: "cuda" here
+    with CudaAutocast(low):
+        emulated = fn(make_inputs(low, "cpu"))  # ... and "cpu" here
+    assert [t.dtype for t in emulated] == [t.dtype for t in real]
 
 
 @pytest.mark.parametrize(

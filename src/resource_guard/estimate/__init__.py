@@ -5,6 +5,8 @@
 - :mod:`~resource_guard.estimate.tracer`: live-storage accounting by category, shadow values.
 - :mod:`~resource_guard.estimate.fake_world`: the model/optimizer/batch copied onto fake tensors,
   the target's optimizer code paths and attention kernel, isolated global state.
+- :mod:`~resource_guard.estimate.cuda_autocast`, :mod:`~resource_guard.estimate.autocast_regions`: CUDA
+  autocast emulated on CPU fake tensors, and the autocast regions a model opens, as a GPU honours them.
 - :mod:`~resource_guard.estimate.kernels`: real-kernel scratch (oneDNN, CPU flash attention) probes.
 - :mod:`~resource_guard.estimate.cpu_support`: what this CPU can run (tiny real probes, cached).
 - :mod:`~resource_guard.estimate.quiet`: torch's native log lines and fake-tensor logs kept off the console.

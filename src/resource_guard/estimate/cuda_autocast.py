@@ -7,6 +7,9 @@ itself off, and autograd on fake CUDA tensors aborts the process. So the policy 
 ``cross_entropy`` ... and casts their arguments, caching the low-precision copy of each float32 leaf
 weight for the autocast region (a weight used twice is cast once, and its copy lives until the region
 ends or backward frees it, as on CUDA). Autograd records the casts, so backward keeps what CUDA keeps.
+The state it applies is the thread's CUDA autocast state, which the autocast regions the model opens
+inside change as on a GPU (:mod:`resource_guard.estimate.autocast_regions`): ``enabled=False`` turns
+the policy off, a region with another dtype switches it.
 
 Dropout, with or without autocast: on CUDA ``at::dropout`` runs the fused ``native_dropout`` kernel
 (``is_fused_kernel_acceptable`` in ``aten/src/ATen/native/Dropout.cpp``: a CUDA tensor, ``0 < p < 1``,
@@ -17,6 +20,7 @@ runs the CUDA path. In-place dropout (``dropout_``) keeps its noise on CUDA too 
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections import Counter
 from collections.abc import Callable
@@ -28,6 +32,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from resource_guard.errors import ConfigurationError
+from resource_guard.estimate.autocast_regions import emulated_lower, outer_region
 from resource_guard.estimate.target import (
     APPEND_DTYPE,
     BANNED,
@@ -72,7 +77,8 @@ class CudaAutocast(TorchFunctionMode):
     """CUDA autocast (``dtype`` float16 or bfloat16) applied to CPU fake tensors, for the forward pass.
 
     ``attention`` runs ``scaled_dot_product_attention`` after its inputs were cast (see
-    :mod:`resource_guard.estimate.attention`); ``dtype=None`` applies no autocast, only that.
+    :mod:`resource_guard.estimate.attention`); ``dtype=None`` applies no autocast of its own, only that
+    (a region the model opens may still turn autocast on, as on a GPU).
     ``calls`` counts, per policy, the calls that were cast. ``cache=False`` casts weights afresh each
     time (activation checkpointing recomputes a block in its own short autocast region).
 
@@ -101,30 +107,49 @@ class CudaAutocast(TorchFunctionMode):
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._caching = cache
         self._depth = 0
+        self._region: contextlib.AbstractContextManager[None] | None = None
 
     def __enter__(self) -> CudaAutocast:
         self._depth += 1
-        return super().__enter__()  # type: ignore[no-any-return]
+        if self._depth == 1:  # the step's own region; the model's regions inside are routed to it
+            self._region = outer_region(self.dtype, self._cache)
+            self._region.__enter__()
+        try:
+            return super().__enter__()  # type: ignore[no-any-return]
+        except BaseException:
+            self._leave(None, None, None)
+            raise
 
     def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._leave(*exc)
+
+    def _leave(self, *exc: Any) -> None:
         self._depth -= 1
-        if self._depth == 0:
-            self._cache.clear()  # as ``torch.clear_autocast_cache()`` when the outer region ends
-        super().__exit__(*exc)
+        if self._depth == 0 and self._region is not None:
+            region, self._region = self._region, None
+            region.__exit__(*exc)  # restores the CUDA autocast state; clears the weight-cast cache
 
     # -- casts ---------------------------------------------------------------------------------------
-    def _to_lower(self, t: torch.Tensor) -> torch.Tensor:
-        assert self.dtype is not None
-        if t.dtype == self.dtype:
+    def _to_lower(self, t: torch.Tensor, low: torch.dtype) -> torch.Tensor:
+        """``cached_cast`` of ``aten/src/ATen/autocast_mode.cpp``: keyed by the source tensor alone."""
+        if t.dtype == low:
             return t
         cacheable = (
-            self._caching and t.dtype == torch.float32 and t.is_leaf and t.requires_grad and not t._is_view()
+            self._caching
+            and torch.is_autocast_cache_enabled()
+            and t.dtype == torch.float32
+            and t.is_leaf
+            and t.requires_grad
+            and not t._is_view()
         )
         if not cacheable:
-            return t.to(self.dtype)
+            return t.to(low)
         hit = self._cache.get(id(t))
         if hit is None or hit[0] is not t:
-            hit = self._cache[id(t)] = (t, t.to(self.dtype))
+            hit = self._cache[id(t)] = (t, t.to(low))
         return hit[1]
 
     @staticmethod
@@ -140,7 +165,8 @@ class CudaAutocast(TorchFunctionMode):
         policy = python_policy_of(func)
         if policy == "sdpa":
             return self._sdpa(func, args, kwargs)
-        if self.dtype is None or policy is None or kwargs.get("out") is not None:
+        low = emulated_lower()  # the step's dtype, or what a region the model opened asks for
+        if low is None or policy is None or kwargs.get("out") is not None:
             if policy is None and _is_python_composite(func):
                 return _run_composite(self, func, args, kwargs)
             return func(*args, **kwargs)
@@ -154,7 +180,7 @@ class CudaAutocast(TorchFunctionMode):
             return func(*args, **kwargs)
         self.calls[policy] += 1
         if policy == LOWER:
-            args, kwargs = _map_args(self._to_lower, args, kwargs)
+            args, kwargs = _map_args(lambda t: self._to_lower(t, low), args, kwargs)
         elif policy == FP32:
             args, kwargs = _map_args(self._to_fp32, args, kwargs)
         elif policy in (SET_DTYPE, APPEND_DTYPE):
@@ -188,9 +214,10 @@ class CudaAutocast(TorchFunctionMode):
         return func(*args, **{**kwargs, "dtype": torch.float32})
 
     def _sdpa(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if self.dtype is not None:
+        low = emulated_lower()
+        if low is not None:
             self.calls[LOWER] += 1
-            args, kwargs = _map_args(self._to_lower, args, kwargs)
+            args, kwargs = _map_args(lambda t: self._to_lower(t, low), args, kwargs)
         if self.attention is None:
             return func(*args, **kwargs)
         return self.attention(*args, **kwargs)

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from resource_guard.errors import ConfigurationError
 from resource_guard.estimate.attached import attached_tensors
 from resource_guard.estimate.attention import attention_for
+from resource_guard.estimate.autocast_regions import AutocastState, applied, routed
 from resource_guard.estimate.cuda_autocast import CudaAutocast
 from resource_guard.estimate.target import Target
 from resource_guard.estimate.tracer import StorageTracker
@@ -190,14 +191,21 @@ class TargetForward:
     recompute_mode: CudaAutocast | None = None
     in_forward: bool = False
     _saved: tuple[Any, Any] | None = None
+    _regions: contextlib.ExitStack | None = None
 
     def __enter__(self) -> TargetForward:
-        """Within: activation checkpointing recomputes under the target's policy (see ``recompute``)."""
+        """Within: activation checkpointing recomputes under the target's policy (see ``recompute``),
+        and autocast regions the model opens (also in backward: ``custom_bwd``) address the emulated
+        CUDA autocast (:mod:`~resource_guard.estimate.autocast_regions`); all undone on exit."""
         if self.recompute_mode is not None:
-            ckpt = torch.utils.checkpoint
-            self._saved = (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction)
-            ckpt._checkpoint_without_reentrant_generator = _recomputing(self, self._saved[0])
-            ckpt.CheckpointFunction = _ReentrantRecompute.of(self, self._saved[1])  # type: ignore[misc,assignment]
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(applied(AutocastState.now()))  # whatever a leaked region leaves
+                stack.enter_context(routed())
+                ckpt = torch.utils.checkpoint
+                self._saved = (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction)
+                ckpt._checkpoint_without_reentrant_generator = _recomputing(self, self._saved[0])
+                ckpt.CheckpointFunction = _ReentrantRecompute.of(self, self._saved[1])  # type: ignore[misc,assignment]
+                self._regions = stack.pop_all()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -205,6 +213,9 @@ class TargetForward:
             ckpt = torch.utils.checkpoint
             ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = self._saved  # type: ignore[misc]
             self._saved = None
+        if self._regions is not None:
+            regions, self._regions = self._regions, None
+            regions.close()
 
     def describe(self, precision: str) -> str:
         """``"as on cuda sm80 (a100-40gb), 16-mixed, autocast policy: cuda, attention: flash×24"``."""
@@ -214,14 +225,16 @@ class TargetForward:
         return text
 
     def recompute(self, fn: Any) -> Any:
-        """``fn`` as a checkpointed block runs it: as is in forward, under the target's policy when
-        recomputed."""
+        """``fn`` as a checkpointed block runs it: as is in forward; when recomputed, under the target's
+        policy in the autocast state of its forward (also inside a region the model opened), as
+        ``torch.utils.checkpoint`` restores it on CUDA."""
         mode = self.recompute_mode
+        state = AutocastState.now()  # called as the checkpoint starts, in forward
 
         def run(*args: Any, **kwargs: Any) -> Any:
             if self.in_forward or mode is None:
                 return fn(*args, **kwargs)
-            with mode:  # a function mode does not reach into autograd's backward: enter it again
+            with mode, applied(state):  # a function mode does not reach into autograd's backward
                 return fn(*args, **kwargs)
 
         return run
@@ -257,12 +270,13 @@ def target_forward(
 ) -> tuple[PrecisionSpec, LossFn | None, TargetForward]:
     """The precision and loss function to hand ``training_step`` so its forward runs as on ``target``.
 
-    On a CUDA-like target the forward runs under :class:`~resource_guard.estimate.target.CudaAutocast`
+    On a CUDA-like target the forward runs under :class:`~resource_guard.estimate.cuda_autocast.CudaAutocast`
     (CUDA's op lists, emulated; the CPU autocast of ``training_step`` is switched off by handing it the
     precision without autocast) and ``scaled_dot_product_attention`` runs the kernel the target would
     pick (:mod:`resource_guard.estimate.attention`); in backward, only what activation checkpointing
-    recomputes, while the record is entered as a context. The optimizer step and loss scaling are
-    unchanged. Other targets trace as they are.
+    recomputes, while the record is entered as a context. Autocast regions the model opens inside are
+    honoured as on the GPU (:mod:`resource_guard.estimate.autocast_regions`). The optimizer step and
+    loss scaling are unchanged. Other targets trace as they are.
     """
     if not target.cuda_like:
         return spec, loss_fn, TargetForward(target, "cpu" if spec.autocast_dtype else "none")
