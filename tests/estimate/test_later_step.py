@@ -114,3 +114,15 @@ def test_a_later_step_is_what_a_real_last_accumulation_micro_step_shows(optimize
     model = _model()
     first = measure_training_step(model, make(model.parameters()), batch, loss)
     assert est.for_device("cpu").allocated_peak_bytes == pytest.approx(first.peak_bytes, rel=0.005)
+
+
+def test_a_new_gradient_lives_until_it_is_accumulated_into_the_old_one() -> None:
+    # gradient 2 is born at event 1 and accumulated into .grad after event 3 (a weight used twice sums
+    # its contributions first): the later step's new gradient lives as long, beside the old one
+    events = [(1, 64), (2, 32), (4, 8), (1, -64), (4, -8), (2, -32)]
+    initial, later = later_step(events, [(0, 8)], gradients=[(2, 4)])
+    assert initial == [(0, 8), (2, 32)]
+    assert later == [(1, 64), (-1, 32), (4, 8), (1, -64), (-1, -32), (4, -8)]
+    assert running_peak(initial, later) == 8 + 32 + 64 + 32 + 8
+    _, at_once = later_step(events, [(0, 8)], gradients=[(2, -1)])  # not known: added at once
+    assert at_once[:3] == [(1, 64), (-1, 32), (-1, -32)]

@@ -37,15 +37,17 @@ def running_peak(initial: Sequence[tuple[int, int]], events: Sequence[tuple[int,
 def later_step(
     events: Sequence[tuple[int, int]],
     initial: Sequence[tuple[int, int]] = (),
-    gradients: Collection[int] = (),
+    gradients: Collection[tuple[int, int]] = (),
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """``(initial, events)`` of a later step that starts with the step's gradients allocated.
 
-    The gradients are ``gradients`` (the trace's ids, :attr:`MemoryEstimate.gradient_allocations`)
+    The gradients are ``gradients`` (``(id, n)`` of the trace, :attr:`MemoryEstimate.gradient_allocations`)
     or, without them, the storages born in the step and still alive where its trailing run of frees
     (``zero_grad``) begins — which also takes whatever the end of backward frees where the optimizer
-    allocates nothing (plain SGD). Each becomes an initial allocation, its birth a temporary of its
-    size born and freed at once (the new gradient, added into the old one), its frees dropped.
+    allocates nothing (plain SGD). Each becomes an initial allocation and its frees are dropped; its
+    birth becomes a temporary of its size (the new gradient), freed where the trace accumulated it into
+    ``.grad`` (after event ``n``: a weight used several times sums its contributions first), or at once
+    where that is not known.
 
     Example (storage 0 a parameter, 1 an activation, 2 and 3 gradients freed by ``zero_grad``):
         >>> later_step([(1, 64), (2, 32), (1, -64), (3, 16), (2, -32), (3, -16)], [(0, 8)])
@@ -53,19 +55,29 @@ def later_step(
     """
     end = _trailing_frees(events)
     freed_early = {uid for uid, delta in events[:end] if delta < 0}
-    wanted = set(gradients)
+    ready = dict(gradients)
+    wanted = set(ready)
     kept: dict[int, int] = {}
     for uid, delta in events[:end]:
         if delta > 0 and (uid in wanted if wanted else uid not in freed_early):
             kept[uid] = kept.get(uid, 0) + delta
     out: list[tuple[int, int]] = []
+    later: dict[int, list[tuple[int, int]]] = {}  # event count -> the new gradients added in then
     temp = 0
     for i, (uid, delta) in enumerate(events):
         if uid not in kept:
             out.append((uid, delta))
         elif delta > 0 and i < end:
             temp -= 1
-            out += [(temp, delta), (temp, -delta)]
+            out.append((temp, delta))
+            n = ready.get(uid, -1)
+            if n > i + 1:
+                later.setdefault(n, []).append((temp, -delta))
+            else:
+                out.append((temp, -delta))
+        out += later.pop(i + 1, [])
+    for rest in later.values():
+        out += rest
     return [*initial, *kept.items()], out
 
 

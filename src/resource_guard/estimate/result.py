@@ -47,7 +47,8 @@ class MemoryEstimate:
         allocations: the step's allocation events ``(id, +bytes | -bytes)`` on the target's code path,
             for the caching-allocator model of :meth:`for_device`; ``initial_allocations`` holds
             ``(id, bytes)`` of the storages alive when the step began; ``gradient_allocations`` the
-            ids of the gradients alive when ``zero_grad`` began.
+            gradients alive when ``zero_grad`` began, ``(id, n)``: accumulated into ``.grad`` after the
+            first ``n`` events (``-1``: not known).
         trace_seconds: time the estimate took.
         assumed_target: the device behaviour the step was traced as, stated in every summary:
             ``"as on cuda sm80 (a100-40gb), bf16-mixed, autocast policy: cuda, attention: flash×24"``.
@@ -74,7 +75,7 @@ class MemoryEstimate:
     timeline: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
     allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     initial_allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
-    gradient_allocations: tuple[int, ...] = field(default=(), repr=False)
+    gradient_allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     trace_seconds: float = 0.0
     assumed_target: str = ""
     cpu_unsupported: tuple[str, ...] = ()

@@ -118,7 +118,8 @@ class StorageTracker(TorchDispatchMode):
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.phase = "setup"
-        self.gradient_uids: tuple[int, ...] = ()
+        self.gradient_uids: tuple[tuple[int, int], ...] = ()  # (uid, events recorded when accumulated)
+        self._gradient_ready: dict[int, int] = {}
         self.recording = False
         self.peaks: dict[str, PeakRecord] = {}
         self.events: list[tuple[int, int]] = []  # (uid, +nbytes alloc | -nbytes free)
@@ -145,6 +146,8 @@ class StorageTracker(TorchDispatchMode):
         key = id(st)
         entry = self._live.get(key)
         if entry is not None:
+            if category == "gradients" and entry[1] != category:  # AccumulateGrad took it: a gradient now
+                self._gradient_ready[entry[2]] = len(self.events)
             if category is not None and entry[1] != category:
                 self.totals[entry[1]] -= entry[0]
                 self.totals[category] += entry[0]
@@ -197,7 +200,9 @@ class StorageTracker(TorchDispatchMode):
         self._settle()
         self.phase = phase
         if phase == "zero_grad":  # the step's gradients: what a later micro-step starts with
-            self.gradient_uids = tuple(uid for _, cat, uid in self._live.values() if cat == "gradients")
+            ready = self._gradient_ready
+            grads = [uid for _, cat, uid in self._live.values() if cat == "gradients"]
+            self.gradient_uids = tuple((uid, ready.get(uid, -1)) for uid in grads)
         self._observe(phase, "<start>", 0)
 
     def _settle(self) -> None:
