@@ -97,21 +97,33 @@ def test_an_extrapolated_estimate_takes_the_later_peak_from_its_timeline() -> No
     assert later.reserved_peak_bytes - later.allocated_peak_bytes == 2**21
 
 
-@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
-def test_a_later_step_is_what_a_real_last_accumulation_micro_step_shows(optimizer) -> None:
+class _Tied(nn.Module):
+    """One weight used three times: its gradient sums three contributions before it is accumulated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(torch.tanh(self.lin(x)))))
+
+
+@pytest.mark.parametrize(("build", "optimizer"), [(_model, "AdamW"), (_model, "SGD"), (_Tied, "AdamW")])
+def test_a_later_step_is_what_a_real_last_accumulation_micro_step_shows(build, optimizer) -> None:
     # the real last micro-step of accumulation: it starts with the earlier micro-steps' gradients
     from resource_guard.estimate import measure_training_step
 
     batch = torch.randn(128, 64)
     loss = lambda m, b: m(b).square().mean()  # noqa: E731
     make = lambda ps: getattr(torch.optim, optimizer)(ps, lr=1e-3)  # noqa: E731
-    est = estimate_memory(_model(), make, batch, loss, device="cpu")
-    model = _model()
+    est = estimate_memory(build(), make, batch, loss, device="cpu")
+    model = build()
     real = measure_training_step(model, make(model.parameters()), batch, loss, gradients_kept=True)
     assert real.start_bytes - est.persistent_bytes >= 4 * sum(p.numel() for p in model.parameters())
     later = est.for_device("cpu", gradients_kept=True).allocated_peak_bytes
     assert later == pytest.approx(real.peak_bytes, rel=0.005)
-    model = _model()
+    model = build()
     first = measure_training_step(model, make(model.parameters()), batch, loss)
     assert est.for_device("cpu").allocated_peak_bytes == pytest.approx(first.peak_bytes, rel=0.005)
 

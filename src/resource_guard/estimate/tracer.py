@@ -202,7 +202,7 @@ class StorageTracker(TorchDispatchMode):
         if phase == "zero_grad":  # the step's gradients: what a later micro-step starts with
             ready = self._gradient_ready
             grads = [uid for _, cat, uid in self._live.values() if cat == "gradients"]
-            self.gradient_uids = tuple((uid, ready.get(uid, -1)) for uid in grads)
+            self.gradient_uids = tuple((self._alias.get(uid, uid), ready.get(uid, -1)) for uid in grads)
         self._observe(phase, "<start>", 0)
 
     def _settle(self) -> None:
