@@ -34,6 +34,7 @@ from resource_guard.estimate.fake_world import (
 )
 from resource_guard.estimate.fsdp2 import is_fsdp1, is_fully_sharded, sharded_layout, unsharded_copy
 from resource_guard.estimate.fsdp2_step import RankBuffers, per_rank
+from resource_guard.estimate.libraries import as_real_step
 from resource_guard.estimate.quiet import torch_logs_silenced
 from resource_guard.estimate.recovery import fake_mode as _fake_mode
 from resource_guard.estimate.recovery import fake_numpy
@@ -169,7 +170,7 @@ def _trace(
         rank_buffers.bind(tracker)
     fake_mode = _fake_mode()
     spans: list[tuple[str, int, int]] = []
-    with fake_numpy(tracker.recovery), fake_mode, tracker, forward:
+    with as_real_step(), fake_numpy(tracker.recovery), fake_mode, tracker, forward:
         world = FakeStep(model, optimizer, batch, spec, tracker)
         world.warm_up_optimizer()
         for st in world.optimizer.state.values():

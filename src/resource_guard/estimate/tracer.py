@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import sys
 import weakref
 from collections.abc import Callable
@@ -79,6 +80,28 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return t.untyped_storage()
     except (NotImplementedError, RuntimeError):  # sparse, nested or other storage-less tensors
         return None
+
+
+_FACTORIES = {
+    _aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.arange.default,
+    _aten.arange.start, _aten.arange.start_step, _aten.scalar_tensor.default,
+}  # fmt: skip
+
+
+def _constant_factory(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A factory of a known, small value: a shadow can hold it."""
+    if func not in _FACTORIES:
+        return False
+    if func is _aten.scalar_tensor.default:
+        return True
+    if func in (_aten.ones.default, _aten.zeros.default, _aten.full.default):
+        size = args[0]
+        return all(isinstance(n, int) for n in size) and math.prod(size) <= SHADOW_MAX_NUMEL
+    bounds = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    if len(bounds) != len(args) or not bounds:  # a symbolic or tensor bound
+        return False
+    start, end, step = (0, bounds[0], 1) if len(bounds) == 1 else (*bounds, 1)[:3]
+    return step != 0 and 0 <= (end - start) / step <= SHADOW_MAX_NUMEL
 
 
 def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -296,6 +319,8 @@ class StorageTracker(TorchDispatchMode):
         if not query:
             self._settle()
         real = self._shadow_args(func, args, kwargs) if self.shadows else None
+        if real is None and _constant_factory(func, args, kwargs):
+            real = (args, kwargs)  # a small constant made in the step (``torch.ones`` mask): its value
         ran, out = False, None
         if self.composite is not None:
             ran, out = self.composite.run(func, self, args, kwargs, in_forward=self.phase == "forward")
