@@ -266,16 +266,20 @@ def qlora() -> tuple[nn.Module, Any]:
     return _lm(model)
 
 
-def fsdp2_llama() -> tuple[nn.Module, Any]:
-    """A LLaMA sharded by the caller with ``fully_shard`` per decoder layer and the root."""
+def _sharded_llama(hidden: int, layers: int, seq: int) -> tuple[nn.Module, Any]:
     import transformers as T
 
     cfg = T.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=512, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
-    ids = _ids(512, 4, 64)
+    ids = _ids(512, 4, seq)
     return T.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+
+
+def fsdp2_llama() -> tuple[nn.Module, Any]:
+    """A LLaMA sharded by the caller with ``fully_shard`` per decoder layer and the root."""
+    return _sharded_llama(64, 8, 64)
 
 
 FAMILIES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
@@ -302,14 +306,7 @@ if importlib.util.find_spec("peft") is not None:
 def fsdp2_llama_wide() -> tuple[nn.Module, Any]:
     """A wider, shallower LLaMA (hidden 128, 4 layers), sharded as :func:`fsdp2_llama`: its bf16-mixed
     peak is a backward prefetch, where the all-gather input (the shards cast to bf16) counts."""
-    import transformers as T
-
-    cfg = T.LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    ids = _ids(512, 4, 32)
-    return T.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+    return _sharded_llama(128, 4, 32)
 
 
 FSDP_RANKS = 2
