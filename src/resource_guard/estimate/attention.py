@@ -150,16 +150,13 @@ def run_backend(
         )[0]
     if enable_gqa:
         key, value = _repeat_kv(query, key, value)
-    if backend == EFFICIENT:
+    fused = {
+        EFFICIENT: _aten._scaled_dot_product_efficient_attention,
+        CUDNN: _aten._scaled_dot_product_cudnn_attention,
+    }.get(backend)
+    if fused is not None:  # both take a bias, not a boolean mask
         bias = _as_bias(attn_mask, query.dtype)
-        return _aten._scaled_dot_product_efficient_attention(
-            query, key, value, bias, grad, dropout_p, is_causal, scale=scale
-        )[0]
-    if backend == CUDNN:
-        bias = _as_bias(attn_mask, query.dtype)
-        return _aten._scaled_dot_product_cudnn_attention(
-            query, key, value, bias, grad, dropout_p, is_causal, scale=scale
-        )[0]
+        return fused(query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
     # math: CUDA upcasts fp16/bf16 to float32 (allow_fp16_bf16_reduction_math_sdp is off by default)
     dtype = query.dtype
     attn_mask = _as_bias(attn_mask, dtype)  # as scaled_dot_product_attention converts a bool mask first
