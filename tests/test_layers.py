@@ -26,6 +26,7 @@ LAYERS = (
     ("report",),
     ("observe",),
     ("frontdoors",),
+    ("testing",),
     ("cli", "demo"),
 )
 
