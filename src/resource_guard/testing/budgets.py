@@ -229,7 +229,10 @@ def check_budget(
         else None
     )
     allowed = tolerance * old
-    head = f"memory budget {key!r}: peak {_bytes(old)} → {_bytes(new)} ({_pct(old, new)}"
+    head = (
+        f"memory budget {key!r}: peak {old:,} → {new:,} bytes "
+        f"({format_bytes(old)} → {format_bytes(new)}, {_pct(old, new)}"
+    )
     if new - old > allowed or (grew is not None and deltas[top] > allowed):
         which = "no category grew (the recorded breakdown does not add up to its peak)"
         if grew is not None:

@@ -163,7 +163,9 @@ def _message(
             f"({format_bytes(smaller.total)})"
         )
     if ckpt is not None:
-        outcome = f"fits ({format_bytes(ckpt.total)})" if ckpt.fits else f"still needs {format_bytes(ckpt.total)}"
+        outcome = (
+            f"fits ({format_bytes(ckpt.total)})" if ckpt.fits else f"still needs {format_bytes(ckpt.total)}"
+        )
         tips.append(f"activation checkpointing of every block (`apply_checkpointing(model)`) {outcome}")
     # the report's checkpointing line speaks of plan()'s option; the line above measured it instead
     tips += [s for s in report.suggestions if ckpt is None or not s.startswith("activation checkpointing")]

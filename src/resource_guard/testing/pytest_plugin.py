@@ -193,7 +193,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         new = sorted(k for k in s.seen if k not in old)
         changed = sorted(k for k in s.seen if k in old and old[k] != s.seen[k])
         kept = sorted(k for k in old if k not in s.seen)
-        line = f"memory budgets: wrote {len(s.seen)} key(s) to {s.path} ({len(new)} new, {len(changed)} changed"
+        line = (
+            f"memory budgets: wrote {len(s.seen)} key(s) to {s.path} ({len(new)} new, {len(changed)} changed"
+        )
         line += f"; {len(kept)} not checked in this run, kept)" if kept else ")"
         terminalreporter.write_sep("-", "memory budgets")
         terminalreporter.write_line(line)
