@@ -1,7 +1,8 @@
 """``resource-guard``: pre-flight a training step from the command line, list devices, print run reports.
 
 Exit codes: 0 fits (also "fits tight", inside the headroom, with a warning line; `--strict` makes that 1),
-1 does not fit, 2 bad input (a one-paragraph message, never a traceback).
+1 does not fit or grew beyond its memory budget (``--budget FILE``), 2 bad input (a one-paragraph
+message, never a traceback).
 """
 
 from __future__ import annotations
@@ -128,7 +129,14 @@ def _preflight(args: argparse.Namespace) -> int:
     if args.batch_size is not None and args.batch_size <= 0:
         raise _BadInput(f"--batch-size {args.batch_size} must be a positive integer.")
     if _wants_projection(args):
+        if args.budget is not None:
+            raise _BadInput(
+                "--budget compares the estimate of one step; it cannot be combined with the time and cost "
+                "projection (--train-tokens, --train-samples, --epochs, --dataset-size)."
+            )
         return _preflight_projection(args)
+    if args.update_budget and args.budget is None:
+        raise _BadInput("--update-budget writes the file given by --budget FILE; pass --budget too.")
     if not 0 <= args.headroom < 0.9:
         raise _BadInput(f"--headroom {args.headroom} must be in [0, 0.9).")
     spec = parse_precision(args.precision)
@@ -139,6 +147,7 @@ def _preflight(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore")
         estimate = estimate_memory(model, optimizer, batch, loss_fn, precision=spec.name, device=device)
     fit, others = _fit_rows(estimate, device, args.headroom, catalog)
+    budget = _budget(args, estimate, device.name, spec.name) if args.budget is not None else None
     if args.json:
         payload = {
             "target": args.target,
@@ -146,14 +155,45 @@ def _preflight(args: argparse.Namespace) -> int:
             "fit": fit.to_dict(),
             "other_devices": [f.to_dict() for f in others],
         }
+        if budget is not None:
+            payload["budget"] = {
+                "file": args.budget,
+                "updated": args.update_budget,
+                **{k: v for k, v in budget.__dict__.items() if k != "budget"},
+                "passed": budget.passed,
+            }
         print(json.dumps(payload, indent=2))
     else:
         _print_report(args.target, estimate, fit, others, args.headroom)
+    over = budget is not None and not budget.passed and not args.update_budget
     if fit.verdict == "fits tight":  # exit 0 unless --strict; the warning line goes to stderr
         risks = "; ".join(fit.tight_risks[1:])
         print(f"warning: fits tight, within the {args.headroom:.0%} headroom: {risks}", file=sys.stderr)
-        return 1 if args.strict else 0
-    return 0 if fit.fits else 1
+        return 1 if args.strict or over else 0
+    return 0 if fit.fits and not over else 1
+
+
+def _budget(args: argparse.Namespace, estimate: Any, device: str, precision: str) -> Any:
+    """Compare with (or, with --update-budget, record into) the budget file; one line on stderr."""
+    from resource_guard.testing.budgets import check_budget_file, check_tolerance
+
+    try:
+        tolerance = check_tolerance(args.budget_tolerance, "--budget-tolerance")
+    except ResourceGuardError:
+        raise _BadInput(f"--budget-tolerance {args.budget_tolerance} must be in [0, 1), e.g. 0.02.") from None
+    key = args.budget_key or f"{args.target} @ {device}, {precision}, batch {estimate.batch_size}"
+    hint = "`resource-guard preflight ... --update-budget` records it"
+    result = check_budget_file(
+        args.budget, key, estimate, tolerance=tolerance, update=args.update_budget, update_hint=hint
+    )
+    if args.update_budget:
+        was = f" (was {result.old_peak_bytes:,})" if result.old_peak_bytes is not None else " (new)"
+        print(
+            f"budget {key!r}: recorded {result.new_peak_bytes:,} bytes{was} in {args.budget}", file=sys.stderr
+        )
+    else:
+        print(("budget failed: " if not result.passed else "budget: ") + result.message, file=sys.stderr)
+    return result
 
 
 # -- preflight --train-tokens/--train-samples/--epochs: time and cost over the catalog (issue #13) ----
@@ -385,6 +425,24 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--json", action="store_true", help="print JSON instead of tables")
     pre.add_argument(
         "--strict", action="store_true", help="exit 1 also when it only fits tight (inside the headroom)"
+    )
+    gate = pre.add_argument_group("memory budget (CI): fail when the step's estimate grows")
+    gate.add_argument(
+        "--budget", default=None, metavar="FILE", help="compare with the budget in FILE; exit 1 on growth"
+    )
+    gate.add_argument(
+        "--update-budget", action="store_true", help="write (or refresh) this step's budget in FILE"
+    )
+    gate.add_argument(
+        "--budget-key",
+        default=None,
+        help="the budget's key (default: 'TARGET @ DEVICE, PRECISION, batch N')",
+    )
+    gate.add_argument(
+        "--budget-tolerance",
+        type=float,
+        default=0.02,
+        help="growth allowed, a fraction of the budget's peak (default 0.02)",
     )
     _add_projection_args(pre)
     dev = sub.add_parser("devices", help="list the device catalog and the devices detected here")

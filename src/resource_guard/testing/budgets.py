@@ -53,6 +53,7 @@ __all__ = [
     "Budget",
     "BudgetCheck",
     "check_budget",
+    "check_budget_file",
     "check_tolerance",
     "load_budgets",
     "save_budgets",
@@ -286,3 +287,26 @@ def save_budgets(path: str | os.PathLike[str], budgets: Mapping[str, Budget]) ->
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp.write_text(text + "\n", encoding="utf-8")
     os.replace(tmp, file)
+
+
+def check_budget_file(
+    path: str | os.PathLike[str],
+    key: str,
+    estimate: MemoryEstimate,
+    *,
+    tolerance: float = DEFAULT_TOLERANCE,
+    update: bool = False,
+    update_hint: str = "record it with the update option",
+) -> BudgetCheck:
+    """Check ``estimate`` against the budget under ``key`` in the file ``path``; with ``update``, record it.
+
+    With ``update`` the file is written (created if missing; other keys kept) and the returned check
+    still compares with the figures it replaced, so a caller can say what changed.
+    """
+    budgets = load_budgets(path)
+    result = check_budget(
+        key, estimate, budgets.get(key), tolerance=tolerance, where=str(path), update_hint=update_hint
+    )
+    if update:
+        save_budgets(path, {**budgets, key: result.budget})
+    return result
