@@ -27,7 +27,7 @@ LAYERS = (
     ("observe",),
     ("frontdoors",),
     ("testing",),
-    ("cli", "demo"),
+    ("cli", "cli_input", "demo"),
 )
 
 
