@@ -90,6 +90,12 @@ def test_update_then_pass_unchanged_then_fail_on_growth(pytester: pytest.Pyteste
     assert json.loads(budget.read_text())["mlp/cpu"]["peak_bytes"] == new
     _run(pytester).assert_outcomes(passed=1)
 
+    pytester.makepyfile(test_step=STEP.format(width=64))  # smaller again: passes, and says so
+    shrunk = _run(pytester)
+    shrunk.assert_outcomes(passed=1)
+    below = f"*'mlp/cpu': peak {new:,} → {old:,} bytes*below the budget by more than 2%*"
+    shrunk.stdout.fnmatch_lines([below])
+
 
 def test_update_keeps_keys_not_checked_and_reports_what_changed(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_step=STEP.format(width=64))

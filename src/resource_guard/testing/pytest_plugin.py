@@ -53,7 +53,7 @@ class _Session:
     recorded: dict[str, Budget] | None = None  # read on first use
     seen: dict[str, Budget] = field(default_factory=dict)  # key -> this run's figures
     owners: dict[str, str] = field(default_factory=dict)  # key -> the test that checked it
-    shrank: list[BudgetCheck] = field(default_factory=list)
+    shrank: list[str] = field(default_factory=list)  # messages of the budgets now well below their figure
 
     def budgets(self) -> dict[str, Budget]:
         if self.recorded is None:
@@ -121,7 +121,7 @@ class MemoryBudget:
         if s.update:
             return result
         if result.status == "shrank":
-            s.shrank.append(result)
+            s.shrank.append(result.message)
         if not result.passed:
             pytest.fail(result.message, pytrace=False)
         return result
@@ -163,25 +163,29 @@ def _is_worker(config: pytest.Config) -> bool:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
     s = config.stash.get(_SESSION, None)
-    if s is None or not s.update or not s.seen:
+    if s is None:
         return
-    if _is_worker(config):  # the controller writes the file (pytest_testnodedown below)
-        workeroutput: dict[str, Any] = config.workeroutput  # type: ignore[attr-defined]
-        workeroutput[_WORKER_KEY] = json.dumps({k: b.to_dict() for k, b in s.seen.items()})
+    if _is_worker(config):  # pytest-xdist: the controller reports and writes (pytest_testnodedown below)
+        if s.seen or s.shrank:
+            workeroutput: dict[str, Any] = config.workeroutput  # type: ignore[attr-defined]
+            seen = {k: b.to_dict() for k, b in s.seen.items()}
+            workeroutput[_WORKER_KEY] = json.dumps({"seen": seen, "shrank": s.shrank})
         return
-    merged = {**s.budgets(), **s.seen}
-    save_budgets(s.path, merged)
+    if s.update and s.seen:
+        save_budgets(s.path, {**s.budgets(), **s.seen})
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
-    """pytest-xdist: a worker finished; take its figures for the controller's write."""
+    """pytest-xdist: a worker finished; take its figures (and notes) for the controller."""
     s = node.config.stash.get(_SESSION, None)
     text = getattr(node, "workeroutput", {}).get(_WORKER_KEY)
     if s is None or text is None:
         return
-    for key, entry in json.loads(text).items():
+    sent = json.loads(text)
+    for key, entry in sent["seen"].items():
         s.seen[key] = Budget.from_dict(key, entry, s.path)
+    s.shrank += sent["shrank"]
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -203,5 +207,5 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
             terminalreporter.write_line(f"  {k}: {old[k].peak_bytes:,} → {s.seen[k].peak_bytes:,} bytes")
     elif s.shrank:
         terminalreporter.write_sep("-", "memory budgets")
-        for r in s.shrank:
-            terminalreporter.write_line(r.message)
+        for message in s.shrank:
+            terminalreporter.write_line(message)
