@@ -100,3 +100,24 @@ def test_at_scale_the_verdict_is_per_rank() -> None:
     single = assert_fits(*args, device="t4")
     fsdp = assert_fits(*args, device="t4", world_size=4, strategy="fsdp")
     assert fsdp.device_total_bytes < single.device_total_bytes  # parameters and state sharded 4 ways
+
+
+class _Unique(nn.Module):
+    """A step with a data-dependent shape (``unique``), traced only as an analytic upper bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y.sum() + torch.unique(y.detach()).float().sum() * 0.0
+
+
+def test_a_failure_on_an_analytic_bound_says_it_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from resource_guard.estimate import recovery
+
+    monkeypatch.setattr(recovery, "REAL_BUDGET_BYTES", 0)  # `unique` cannot be recovered: analytic
+    tiny = resolve_device("cpu").with_memory(2**10)
+    with pytest.raises(AssertionError, match=r"estimate method: analytic upper bound"):
+        assert_fits(_Unique(), torch.optim.SGD, torch.randn(8, 64), device=tiny)

@@ -153,6 +153,8 @@ def _message(
             f"largest category: {name}, {format_bytes(size)} of the {format_bytes(est.peak_bytes)} peak "
             f"({size / est.peak_bytes:.0%}; at {est.peak_phase or 'the peak'})."
         )
+    if not est.traced:  # an upper bound: the step may fit after all, and the reader must know
+        lines.append(f"estimate {est.method_line}.")
     tips = []
     if fit.verdict == "fits tight":
         kept = format_bytes(fit.capacity_bytes - fit.usable_bytes)
