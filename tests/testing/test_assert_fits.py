@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from resource_guard import ConfigurationError, estimate_memory, resolve_device
+from resource_guard import ConfigurationError, estimate_memory, plan, resolve_device
 from resource_guard.testing import assert_fits
 
 transformers = pytest.importorskip("transformers")
@@ -98,7 +98,12 @@ def test_at_scale_the_verdict_is_per_rank() -> None:
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
     args = (model, torch.optim.AdamW, torch.randn(4, 512), lambda m, b: m(b).sum())
     single = assert_fits(*args, device="t4")
-    fsdp = assert_fits(*args, device="t4", world_size=4, strategy="fsdp")
+    at_scale = {"device": "t4", "world_size": 4, "strategy": "fsdp", "precision": "16-mixed"}
+    fsdp = assert_fits(*args, **at_scale)
+    # the planner sizes the same step (full batch per rank, FSDP over 4) to the byte
+    planned = plan(*args, **at_scale, checkpointing=False)
+    assert (planned.micro_batch_size, planned.accumulation_steps) == (4, 1)
+    assert fsdp.device_total_bytes == planned.fit.device_total_bytes
     assert fsdp.device_total_bytes < single.device_total_bytes  # parameters and state sharded 4 ways
 
 

@@ -26,6 +26,7 @@ from resource_guard.devices import Catalog, DeviceSpec, format_bytes, load_catal
 from resource_guard.errors import ConfigurationError
 from resource_guard.estimate import DeviceFit
 from resource_guard.estimate.estimator import _check_inputs
+from resource_guard.estimate.sharding import fsdp_precision
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.planning.nofit import NoFitReport, no_fit_error
 from resource_guard.planning.planner import _check_args, choose_precision
@@ -109,6 +110,7 @@ def assert_fits(
     tracer = Tracer(
         model, optimizer, batch, loss_fn, precision, spec, headroom, units, world_size,
         find_checkpoint_blocks(model), per_rank=per_rank,
+        policy=fsdp_precision(precision, "params"),  # FSDP as plan() sizes it: 16-bit parameters gathered
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the verdict is the message; estimate warnings are not the test's
