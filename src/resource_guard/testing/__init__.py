@@ -12,7 +12,22 @@ Imports :mod:`resource_guard.planning` and below.
 
 from __future__ import annotations
 
-from resource_guard.testing.budgets import Budget, BudgetCheck, check_budget, load_budgets, save_budgets
+from resource_guard.testing.budgets import (
+    Budget,
+    BudgetCheck,
+    check_budget,
+    check_budget_file,
+    load_budgets,
+    save_budgets,
+)
 from resource_guard.testing.fits import assert_fits
 
-__all__ = ["Budget", "BudgetCheck", "assert_fits", "check_budget", "load_budgets", "save_budgets"]
+__all__ = [
+    "Budget",
+    "BudgetCheck",
+    "assert_fits",
+    "check_budget",
+    "check_budget_file",
+    "load_budgets",
+    "save_budgets",
+]
