@@ -26,6 +26,8 @@ from hypothesis import HealthCheck, settings
 
 from resource_guard.devices import cpu_summary
 
+pytest_plugins = ("pytester",)  # tests/testing/ runs pytest in temporary projects
+
 settings.register_profile("no-clock", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("no-clock")
 

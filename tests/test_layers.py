@@ -26,7 +26,8 @@ LAYERS = (
     ("report",),
     ("observe",),
     ("frontdoors",),
-    ("cli", "demo"),
+    ("testing",),
+    ("cli", "cli_input", "demo"),
 )
 
 

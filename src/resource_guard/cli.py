@@ -1,22 +1,21 @@
 """``resource-guard``: pre-flight a training step from the command line, list devices, print run reports.
 
 Exit codes: 0 fits (also "fits tight", inside the headroom, with a warning line; `--strict` makes that 1),
-1 does not fit, 2 bad input (a one-paragraph message, never a traceback).
+1 does not fit or grew beyond its memory budget (``--budget FILE``), 2 bad input (a one-paragraph
+message, never a traceback).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import inspect
 import json
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
+from resource_guard.cli_input import BadInput as _BadInput
+from resource_guard.cli_input import load_target
 from resource_guard.devices import format_bytes
 from resource_guard.errors import DoesNotFitError, ResourceGuardError
 
@@ -24,84 +23,6 @@ __all__ = ["main", "load_target", "format_bytes"]
 
 DEFAULT_TARGET = "resource_guard.demo:build"
 _COMPARE = ("t4", "l4", "a10g", "rtx-4090", "a100-40gb", "a100-80gb", "h100-sxm")
-
-
-class _BadInput(Exception):
-    """Bad input on the command line: printed as one paragraph, exit 2."""
-
-
-def _import_factory(target: str) -> Any:
-    path, sep, attr = target.rpartition(":")
-    if not sep or not path or not attr:
-        raise _BadInput(f"TARGET {target!r} must be `path/to/file.py:factory` or `package.module:factory`.")
-    if path.endswith(".py") or "/" in path or "\\" in path:
-        file = Path(path)
-        if not file.is_file():
-            raise _BadInput(f"TARGET {target!r}: the file {str(file)!r} does not exist.")
-        spec = importlib.util.spec_from_file_location(f"_resource_guard_target_{file.stem}", file)
-        if spec is None or spec.loader is None:
-            raise _BadInput(f"TARGET {target!r}: {str(file)!r} cannot be imported as a Python module.")
-        module = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(file.resolve().parent))
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            raise _BadInput(
-                f"TARGET {target!r}: importing {str(file)!r} raised {type(exc).__name__}: {exc}"
-            ) from exc
-        finally:
-            sys.path.pop(0)
-    else:
-        try:
-            module = importlib.import_module(path)
-        except ImportError as exc:
-            raise _BadInput(f"TARGET {target!r}: cannot import module {path!r} ({exc}).") from exc
-        except Exception as exc:
-            raise _BadInput(
-                f"TARGET {target!r}: importing {path!r} raised {type(exc).__name__}: {exc}"
-            ) from exc
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-        raise _BadInput(
-            f"TARGET {target!r}: {path!r} has no callable {attr!r}; callables there: {', '.join(names)}."
-        )
-    return factory
-
-
-def load_target(target: str, batch_size: int | None = None) -> tuple[Any, Any, Any, Any]:
-    """Call the factory named by ``target`` and return ``(model, optimizer, batch, loss_fn)``.
-
-    The factory returns ``(model, optimizer, batch)`` or ``(model, optimizer, batch, loss_fn)``, or a
-    mapping with those keys. With ``batch_size`` it must accept a ``batch_size`` argument.
-    """
-    factory = _import_factory(target)
-    kwargs = {}
-    if batch_size is not None:
-        try:
-            params = inspect.signature(factory).parameters
-        except (TypeError, ValueError):
-            params = {}  # type: ignore[assignment]
-        accepts = "batch_size" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-        if not accepts:
-            raise _BadInput(f"--batch-size was given but {target!r} takes no `batch_size` argument.")
-        kwargs["batch_size"] = batch_size
-    try:
-        built = factory(**kwargs)
-    except Exception as exc:
-        raise _BadInput(f"the factory {target!r} raised {type(exc).__name__}: {exc}") from exc
-    if isinstance(built, Mapping):
-        try:
-            return built["model"], built["optimizer"], built["batch"], built.get("loss_fn")
-        except KeyError as exc:
-            raise _BadInput(f"the factory {target!r} returned a mapping without key {exc}.") from exc
-    if isinstance(built, Sequence) and not isinstance(built, (str, bytes)) and len(built) in (3, 4):
-        model, optimizer, batch = built[:3]
-        return model, optimizer, batch, built[3] if len(built) == 4 else None
-    raise _BadInput(
-        f"the factory {target!r} returned {type(built).__name__}; it must return (model, optimizer, batch) "
-        "or (model, optimizer, batch, loss_fn)."
-    )
 
 
 def _fit_rows(estimate: Any, device: Any, headroom: float, catalog: Any) -> tuple[Any, list[Any]]:
@@ -128,7 +49,14 @@ def _preflight(args: argparse.Namespace) -> int:
     if args.batch_size is not None and args.batch_size <= 0:
         raise _BadInput(f"--batch-size {args.batch_size} must be a positive integer.")
     if _wants_projection(args):
+        if args.budget is not None:
+            raise _BadInput(
+                "--budget compares the estimate of one step; it cannot be combined with the time and cost "
+                "projection (--train-tokens, --train-samples, --epochs, --dataset-size)."
+            )
         return _preflight_projection(args)
+    if args.update_budget and args.budget is None:
+        raise _BadInput("--update-budget writes the file given by --budget FILE; pass --budget too.")
     if not 0 <= args.headroom < 0.9:
         raise _BadInput(f"--headroom {args.headroom} must be in [0, 0.9).")
     spec = parse_precision(args.precision)
@@ -139,6 +67,7 @@ def _preflight(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore")
         estimate = estimate_memory(model, optimizer, batch, loss_fn, precision=spec.name, device=device)
     fit, others = _fit_rows(estimate, device, args.headroom, catalog)
+    budget = _budget(args, estimate, device.name, spec.name) if args.budget is not None else None
     if args.json:
         payload = {
             "target": args.target,
@@ -146,14 +75,45 @@ def _preflight(args: argparse.Namespace) -> int:
             "fit": fit.to_dict(),
             "other_devices": [f.to_dict() for f in others],
         }
+        if budget is not None:
+            payload["budget"] = {
+                "file": args.budget,
+                "updated": args.update_budget,
+                **{k: v for k, v in budget.__dict__.items() if k != "budget"},
+                "passed": budget.passed,
+            }
         print(json.dumps(payload, indent=2))
     else:
         _print_report(args.target, estimate, fit, others, args.headroom)
+    over = budget is not None and not budget.passed and not args.update_budget
     if fit.verdict == "fits tight":  # exit 0 unless --strict; the warning line goes to stderr
         risks = "; ".join(fit.tight_risks[1:])
         print(f"warning: fits tight, within the {args.headroom:.0%} headroom: {risks}", file=sys.stderr)
-        return 1 if args.strict else 0
-    return 0 if fit.fits else 1
+        return 1 if args.strict or over else 0
+    return 0 if fit.fits and not over else 1
+
+
+def _budget(args: argparse.Namespace, estimate: Any, device: str, precision: str) -> Any:
+    """Compare with (or, with --update-budget, record into) the budget file; one line on stderr."""
+    from resource_guard.testing.budgets import check_budget_file, check_tolerance
+
+    try:
+        tolerance = check_tolerance(args.budget_tolerance, "--budget-tolerance")
+    except ResourceGuardError:
+        raise _BadInput(f"--budget-tolerance {args.budget_tolerance} must be in [0, 1), e.g. 0.02.") from None
+    key = args.budget_key or f"{args.target} @ {device}, {precision}, batch {estimate.batch_size}"
+    hint = "`resource-guard preflight ... --update-budget` records it"
+    result = check_budget_file(
+        args.budget, key, estimate, tolerance=tolerance, update=args.update_budget, update_hint=hint
+    )
+    if args.update_budget:
+        was = f" (was {result.old_peak_bytes:,})" if result.old_peak_bytes is not None else " (new)"
+        print(
+            f"budget {key!r}: recorded {result.new_peak_bytes:,} bytes{was} in {args.budget}", file=sys.stderr
+        )
+    else:
+        print(("budget failed: " if not result.passed else "budget: ") + result.message, file=sys.stderr)
+    return result
 
 
 # -- preflight --train-tokens/--train-samples/--epochs: time and cost over the catalog (issue #13) ----
@@ -385,6 +345,24 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--json", action="store_true", help="print JSON instead of tables")
     pre.add_argument(
         "--strict", action="store_true", help="exit 1 also when it only fits tight (inside the headroom)"
+    )
+    gate = pre.add_argument_group("memory budget (CI): fail when the step's estimate grows")
+    gate.add_argument(
+        "--budget", default=None, metavar="FILE", help="compare with the budget in FILE; exit 1 on growth"
+    )
+    gate.add_argument(
+        "--update-budget", action="store_true", help="write (or refresh) this step's budget in FILE"
+    )
+    gate.add_argument(
+        "--budget-key",
+        default=None,
+        help="the budget's key (default: 'TARGET @ DEVICE, PRECISION, batch N')",
+    )
+    gate.add_argument(
+        "--budget-tolerance",
+        type=float,
+        default=0.02,
+        help="growth allowed, a fraction of the budget's peak (default 0.02)",
     )
     _add_projection_args(pre)
     dev = sub.add_parser("devices", help="list the device catalog and the devices detected here")
