@@ -2,35 +2,35 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from resource_guard.devices import Catalog, DeviceSpec, load_catalog, parse_bytes, resolve_device
-from resource_guard.errors import (
-    ConfigurationError,
-    DoesNotFitError,
-    ResourceGuardError,
-    ResourceGuardWarning,
-    TraceError,
-)
-from resource_guard.estimate import (
-    CATEGORIES,
-    DeviceFit,
-    MeasuredStep,
-    MemoryEstimate,
-    estimate_memory,
-    measure_training_step,
-)
-from resource_guard.frontdoors.context import Guard, guard
-from resource_guard.observe.monitor import RunMonitor
-from resource_guard.planning.checkpointing import apply_checkpointing
-from resource_guard.planning.planner import Plan, plan
-from resource_guard.planning.projection import Projection, ProjectionRow, project_training
-from resource_guard.planning.steptime import Calibration, Interconnect
-from resource_guard.report.findings import Finding, Report
-from resource_guard.step.precision import PRECISIONS, PrecisionSpec, parse_precision
-
 if TYPE_CHECKING:
+    from resource_guard.devices import Catalog, DeviceSpec, load_catalog, parse_bytes, resolve_device
+    from resource_guard.errors import (
+        ConfigurationError,
+        DoesNotFitError,
+        ResourceGuardError,
+        ResourceGuardWarning,
+        TraceError,
+    )
+    from resource_guard.estimate import (
+        CATEGORIES,
+        DeviceFit,
+        MeasuredStep,
+        MemoryEstimate,
+        estimate_memory,
+        measure_training_step,
+    )
+    from resource_guard.frontdoors.context import Guard, guard
     from resource_guard.frontdoors.lightning_callback import ResourceGuard
+    from resource_guard.observe.monitor import RunMonitor
+    from resource_guard.planning.checkpointing import apply_checkpointing
+    from resource_guard.planning.planner import Plan, plan
+    from resource_guard.planning.projection import Projection, ProjectionRow, project_training
+    from resource_guard.planning.steptime import Calibration, Interconnect
+    from resource_guard.report.findings import Finding, Report
+    from resource_guard.step.precision import PRECISIONS, PrecisionSpec, parse_precision
 
 __version__ = "0.1.0"
 
@@ -71,10 +71,54 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # Lightning is imported only when the callback is asked for
-    if name == "ResourceGuard":
-        from resource_guard.frontdoors.lightning_callback import ResourceGuard
+# name -> the module that defines it: imported on first use (PEP 562), so that `import resource_guard`
+# (and the pytest plugin it registers, active in every pytest run where the package is installed) costs
+# nothing until a name is used; torch and Lightning load with the first name that needs them
+_EXPORTS = {
+    "Catalog": "resource_guard.devices",
+    "DeviceSpec": "resource_guard.devices",
+    "load_catalog": "resource_guard.devices",
+    "parse_bytes": "resource_guard.devices",
+    "resolve_device": "resource_guard.devices",
+    "ConfigurationError": "resource_guard.errors",
+    "DoesNotFitError": "resource_guard.errors",
+    "ResourceGuardError": "resource_guard.errors",
+    "ResourceGuardWarning": "resource_guard.errors",
+    "TraceError": "resource_guard.errors",
+    "CATEGORIES": "resource_guard.estimate",
+    "DeviceFit": "resource_guard.estimate",
+    "MeasuredStep": "resource_guard.estimate",
+    "MemoryEstimate": "resource_guard.estimate",
+    "estimate_memory": "resource_guard.estimate",
+    "measure_training_step": "resource_guard.estimate",
+    "Guard": "resource_guard.frontdoors.context",
+    "guard": "resource_guard.frontdoors.context",
+    "RunMonitor": "resource_guard.observe.monitor",
+    "apply_checkpointing": "resource_guard.planning.checkpointing",
+    "Plan": "resource_guard.planning.planner",
+    "plan": "resource_guard.planning.planner",
+    "Projection": "resource_guard.planning.projection",
+    "ProjectionRow": "resource_guard.planning.projection",
+    "project_training": "resource_guard.planning.projection",
+    "Calibration": "resource_guard.planning.steptime",
+    "Interconnect": "resource_guard.planning.steptime",
+    "Finding": "resource_guard.report.findings",
+    "Report": "resource_guard.report.findings",
+    "PRECISIONS": "resource_guard.step.precision",
+    "PrecisionSpec": "resource_guard.step.precision",
+    "parse_precision": "resource_guard.step.precision",
+    "ResourceGuard": "resource_guard.frontdoors.lightning_callback",
+}
 
-        return ResourceGuard
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

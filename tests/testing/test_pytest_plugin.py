@@ -174,3 +174,17 @@ def test_the_entry_point_is_declared_and_imports() -> None:
         )
     assert [(ep.name, ep.value) for ep in installed] == [(PLUGIN, PLUGIN)]
     assert installed[0].load() is module
+
+
+def test_loading_the_plugin_imports_neither_torch_nor_the_estimator() -> None:
+    # pytest loads the plugin in every run where the package is installed: a project that never
+    # checks a budget must not pay torch's import (seconds) at start-up
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, resource_guard.testing.pytest_plugin; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('resource_guard.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['resource_guard.testing', 'resource_guard.testing.pytest_plugin']"

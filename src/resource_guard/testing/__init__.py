@@ -7,20 +7,27 @@
   ``pytest --memory-budgets=update`` (registered as a ``pytest11`` entry point; imports pytest, so it
   is not imported here).
 
+Names are imported on first use, so the plugin, loaded in every pytest run where the package is
+installed, imports neither torch nor the estimator until a test asks for a budget.
+
 Imports :mod:`resource_guard.planning` and below.
 """
 
 from __future__ import annotations
 
-from resource_guard.testing.budgets import (
-    Budget,
-    BudgetCheck,
-    check_budget,
-    check_budget_file,
-    load_budgets,
-    save_budgets,
-)
-from resource_guard.testing.fits import assert_fits
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from resource_guard.testing.budgets import (
+        Budget,
+        BudgetCheck,
+        check_budget,
+        check_budget_file,
+        load_budgets,
+        save_budgets,
+    )
+    from resource_guard.testing.fits import assert_fits
 
 __all__ = [
     "Budget",
@@ -31,3 +38,12 @@ __all__ = [
     "load_budgets",
     "save_budgets",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = "fits" if name == "assert_fits" else "budgets"
+    value = getattr(importlib.import_module(f"resource_guard.testing.{module}"), name)
+    globals()[name] = value
+    return value

@@ -21,21 +21,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from resource_guard.errors import ConfigurationError
-from resource_guard.estimate import MemoryEstimate
-from resource_guard.testing.budgets import (
-    DEFAULT_TOLERANCE,
-    Budget,
-    BudgetCheck,
-    check_budget,
-    check_tolerance,
-    load_budgets,
-    save_budgets,
-)
+# the plugin is loaded in every pytest run where the package is installed: what it needs of the package
+# (and so torch) is imported when a test first checks a budget, never at start-up
+if TYPE_CHECKING:
+    from resource_guard.estimate import MemoryEstimate
+    from resource_guard.testing.budgets import Budget, BudgetCheck
 
 __all__ = ["MemoryBudget", "memory_budget"]
 
@@ -57,6 +51,8 @@ class _Session:
 
     def budgets(self) -> dict[str, Budget]:
         if self.recorded is None:
+            from resource_guard.testing.budgets import load_budgets
+
             self.recorded = load_budgets(self.path)
         return self.recorded
 
@@ -76,18 +72,22 @@ class MemoryBudget:
         """The budget file."""
         return self._session.path
 
-    def check(self, key: str, estimate: MemoryEstimate, tolerance: float = DEFAULT_TOLERANCE) -> BudgetCheck:
+    def check(self, key: str, estimate: MemoryEstimate, tolerance: float | None = None) -> BudgetCheck:
         """Compare ``estimate`` with the budget recorded under ``key``; fail the test if it grew.
 
         Args:
             key: names the budget in the file; one key per configuration (model, batch, precision, device).
             estimate: a :class:`~resource_guard.MemoryEstimate` of the step.
-            tolerance: growth allowed, as a fraction of the recorded peak (default 2%).
+            tolerance: growth allowed, as a fraction of the recorded peak (``None``: 2%).
 
         Returns:
             The :class:`~resource_guard.testing.budgets.BudgetCheck` (with ``--memory-budgets=update``,
             the comparison with the figures being replaced).
         """
+        from resource_guard.errors import ConfigurationError
+        from resource_guard.estimate import MemoryEstimate
+        from resource_guard.testing.budgets import DEFAULT_TOLERANCE, check_budget, check_tolerance
+
         if not isinstance(key, str) or not key:
             pytest.fail(f"`memory_budget.check(key={key!r})` must be a non-empty string", pytrace=False)
         if not isinstance(estimate, MemoryEstimate):
@@ -98,7 +98,9 @@ class MemoryBudget:
             )
         s = self._session
         try:
-            tolerance = check_tolerance(tolerance, "memory_budget.check")
+            tolerance = check_tolerance(
+                DEFAULT_TOLERANCE if tolerance is None else tolerance, "memory_budget.check"
+            )
             result = check_budget(
                 key,
                 estimate,
@@ -172,6 +174,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             workeroutput[_WORKER_KEY] = json.dumps({"seen": seen, "shrank": s.shrank})
         return
     if s.update and s.seen:
+        from resource_guard.testing.budgets import save_budgets
+
         save_budgets(s.path, {**s.budgets(), **s.seen})
 
 
@@ -182,6 +186,8 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     text = getattr(node, "workeroutput", {}).get(_WORKER_KEY)
     if s is None or text is None:
         return
+    from resource_guard.testing.budgets import Budget
+
     sent = json.loads(text)
     for key, entry in sent["seen"].items():
         s.seen[key] = Budget.from_dict(key, entry, s.path)
