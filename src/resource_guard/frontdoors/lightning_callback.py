@@ -258,10 +258,10 @@ class ResourceGuard(Callback):
             pl_module,
             stage,
             self._evals,
-            device=made.device if made is not None else None,
+            plan=made,
             device_name=self.device,
             memory_limit=self.memory_limit,
-            headroom=made.headroom if made is not None else self.headroom,
+            headroom=self.headroom,
             precision=self.decisions.precision if fitting and self.decisions is not None else None,
             fail_fast=self.fail_fast,
         )

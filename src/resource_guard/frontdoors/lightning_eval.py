@@ -99,7 +99,7 @@ def preflight_loops(
     stage: str,
     checks: EvalPreflights,
     *,
-    device: DeviceSpec | None,
+    plan: Any,
     device_name: str | None,
     memory_limit: Any,
     headroom: float,
@@ -108,8 +108,9 @@ def preflight_loops(
 ) -> list[EvalCheck]:
     """Pre-flight every dataloader of ``stage`` (``"validate"`` or ``"test"``); a collective.
 
-    ``device``: the plan's (capped) device, else resolved from ``device_name`` or the Trainer's root
-    device and capped by ``memory_limit``. ``precision``: the plan's, else the Trainer's.
+    The device and headroom are the ``plan``'s (its device capped by the memory limit), else the device
+    is resolved from ``device_name`` or the Trainer's root device and capped by ``memory_limit``.
+    ``precision``: the plan's, else the Trainer's.
     Returns the new checks.
 
     Raises:
@@ -121,7 +122,8 @@ def preflight_loops(
     try:
         if is_overridden(hook, pl_module):
             fitting = trainer.state.fn == "fit"
-            spec = device or _device(trainer, device_name, memory_limit)
+            spec = plan.device if plan is not None else _device(trainer, device_name, memory_limit)
+            headroom = plan.headroom if plan is not None else headroom
             own = str(trainer.precision)
             name = precision or (own if own in PRECISIONS else "32-true")
             optimizers = trainer.optimizers
