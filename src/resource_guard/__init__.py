@@ -17,6 +17,7 @@ from resource_guard.estimate import (
     DeviceFit,
     MeasuredStep,
     MemoryEstimate,
+    estimate_eval_memory,
     estimate_memory,
     measure_training_step,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "RunMonitor",
     "TraceError",
     "apply_checkpointing",
+    "estimate_eval_memory",
     "estimate_memory",
     "guard",
     "load_catalog",

@@ -2,7 +2,9 @@
 
 On fake tensors only an operator's declared outputs are seen. A few real CPU kernels do more: oneDNN
 convolutions reorder their inputs into blocked layouts, batch-norm backward keeps an input-sized
-buffer, oneDNN's LSTM returns a workspace whose meta kernel says it is empty, the CPU
+buffer, oneDNN's LSTM returns a workspace whose meta kernel says it is empty, the fused inference
+kernels of ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` hold their projections, scores
+and feed-forward inside one operator, the CPU
 flash-attention kernels allocate per-thread accumulators, and ATen's CPU scatter kernels accumulate a
 bf16/fp16 ``self`` in a float32 copy (``scatter_add_`` of a gather's backward: twice the bf16 gradient
 buffer) and ``masked_scatter`` keeps an index per mask element. For these
@@ -67,6 +69,10 @@ def _probed_ops() -> dict[Any, float]:
     for name, factor in (
         ("mkldnn_rnn_layer", 16.0),
         ("mkldnn_rnn_layer_backward", 16.0),
+        # the fused inference paths of nn.TransformerEncoderLayer / nn.MultiheadAttention (eval mode,
+        # no_grad): their projections, scores and feed-forward live and die inside one operator
+        ("_transformer_encoder_layer_fwd", 8.0),
+        ("_native_multi_head_attention", 8.0),
         *_CPU_FLASH.items(),
     ):
         op = getattr(_aten, name, None)
