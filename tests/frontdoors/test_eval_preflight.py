@@ -5,6 +5,7 @@ what Lightning holds during validation is what the estimate assumes."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import lightning.pytorch as L
 import pytest
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import resource_guard
 from resource_guard import ConfigurationError, DoesNotFitError, guard
 from resource_guard.devices import resolve_device
 from resource_guard.estimate.eval_step import estimate_eval_memory
@@ -294,3 +296,96 @@ def test_gradients_during_fit_validation_are_what_lightning_holds(accumulate, va
     assert gradients_kept_in_fit(trainer, net) == kept
     line = next(r for r in callback.plan.reasons if r.startswith("validation step"))
     assert ("gradients" in line) == kept
+
+
+# ---------------------------------------------------------------------------------------------------
+# DDP: the ranks agree
+
+
+DDP_SCRIPT = """
+import json, os, sys
+from pathlib import Path
+import lightning.pytorch as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from resource_guard.frontdoors.lightning_callback import ResourceGuard
+
+OUT, RANK = Path(sys.argv[1]), int(os.environ.get("LOCAL_RANK", "0"))
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 2000))
+        self.calls = 0
+    def _loss(self, b):
+        if self._trainer is not None:
+            self.calls += 1
+        return nn.functional.cross_entropy(self.net(b[0]), b[1])
+    def training_step(self, b, i):
+        return self._loss(b)
+    def validation_step(self, b, i):
+        self._loss(b)
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+    def _data(self, rows, size):
+        data = TensorDataset(torch.randn(rows, 64), torch.randint(0, 2000, (rows,)))
+        return DataLoader(data, batch_size=size)
+    def train_dataloader(self):
+        return self._data(64, 8)
+    def val_dataloader(self):  # rank 1's evaluation batch is too big for the cap
+        return self._data(4096, 2048 if RANK == 1 else 64)
+
+net = Net()
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                    callbacks=[ResourceGuard(memory_limit="20MiB", precision="32-true", monitor=False)],
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+result = {"rank": RANK}
+try:
+    trainer.fit(net)
+except Exception as error:
+    result.update(error_type=type(error).__name__, error=str(error))
+result["calls"] = net.calls
+(OUT / f".rank{RANK}.part").write_text(json.dumps(result))
+(OUT / f".rank{RANK}.part").replace(OUT / f"rank{RANK}.json")
+"""
+
+
+@pytest.mark.slow
+def test_ddp_ranks_stop_together_when_one_ranks_validation_does_not_fit(tmp_path):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script, out = tmp_path / "run.py", tmp_path / "out"
+    script.write_text(DDP_SCRIPT)
+    out.mkdir()
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    # the package under test, also where it is not the installed one (a relative PYTHONPATH, a worktree)
+    source = str(Path(resource_guard.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (source, env.get("PYTHONPATH"))))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(out)], cwd=tmp_path, env=env, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        stdout, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the DDP run hung:\n{proc.communicate()[0][-4000:]}")
+    deadline = time.monotonic() + 120  # rank 1 may finish a little after rank 0's launcher
+    while time.monotonic() < deadline and not (out / "rank1.json").exists():
+        time.sleep(0.2)
+    found = [out / f"rank{r}.json" for r in (0, 1)]
+    ranks = [json.loads(path.read_text()) for path in found if path.exists()]
+    assert len(ranks) == 2, stdout[-4000:]
+    r0, r1 = ranks
+    assert r0["error_type"] == r1["error_type"] == "DoesNotFitError"
+    assert r0["error"] == r1["error"] and "pre-flight failed on rank 1" in r0["error"]
+    assert "validation step does not fit: batch size 2048" in r0["error"]
+    assert r0["calls"] == r1["calls"] == 0, "no training or validation step on any rank"
