@@ -73,7 +73,9 @@ def _check(build, precision: str, with_optimizer: bool, kept: bool) -> None:
     assert 0 <= error <= 0.03, (est.peak_bytes, truth.peak_bytes, error)
 
 
-@pytest.mark.parametrize("build", BUILDS, ids=IDS)
+@pytest.mark.parametrize(
+    "build", [_mlp, _conv, pytest.param(_gpt2, marks=pytest.mark.slow)], ids=IDS
+)  # a GPT-2 training step, then an eval step, measured for real: a few seconds each
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_eval_estimate_matches_real_cpu_eval_step_in_fit(build, precision):
     """Lightning's fit validates with the optimizer state and every gradient resident."""
