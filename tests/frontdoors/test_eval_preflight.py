@@ -258,6 +258,14 @@ def test_lightning_validation_that_fits_leaves_the_run_unchanged(caplog):
     assert f"validation step, batch size {SMALL}" in caplog.text
 
 
+def test_lightning_validation_line_reaches_the_report(tmp_path):
+    callback = ResourceGuard(memory_limit=CAP, precision="32-true", profile=False, log_dir=tmp_path)
+    _trainer(callback).fit(Net(SMALL))
+    line = f"validation step, batch size {SMALL}"
+    assert any(n.startswith(line) for n in callback.report.stats.notes)
+    assert line in (tmp_path / "report.md").read_text()
+
+
 @pytest.mark.parametrize("stage", ["validate", "test"])
 def test_lightning_validate_and_test_alone(stage):
     net, loop = Net(LARGE), stage.replace("validate", "validation")
