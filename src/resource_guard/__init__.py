@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         DeviceFit,
         MeasuredStep,
         MemoryEstimate,
+        estimate_eval_memory,
         estimate_memory,
         measure_training_step,
     )
@@ -59,6 +60,7 @@ __all__ = [
     "RunMonitor",
     "TraceError",
     "apply_checkpointing",
+    "estimate_eval_memory",
     "estimate_memory",
     "guard",
     "load_catalog",
@@ -89,6 +91,7 @@ _EXPORTS = {
     "DeviceFit": "resource_guard.estimate",
     "MeasuredStep": "resource_guard.estimate",
     "MemoryEstimate": "resource_guard.estimate",
+    "estimate_eval_memory": "resource_guard.estimate",
     "estimate_memory": "resource_guard.estimate",
     "measure_training_step": "resource_guard.estimate",
     "Guard": "resource_guard.frontdoors.context",

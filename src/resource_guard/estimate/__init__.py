@@ -18,12 +18,15 @@
 - :mod:`~resource_guard.estimate.allocator`: the CUDA caching allocator, context and workspaces
   (:class:`DeviceFit`).
 - :mod:`~resource_guard.estimate.measure`: the real peak of a CPU step (the ground truth).
+- :mod:`~resource_guard.estimate.eval_step`: :func:`estimate_eval_memory`, one evaluation step (eval
+  mode, ``no_grad``) over what the run holds, and its real CPU peak.
 
 Imports :mod:`resource_guard.step` and :mod:`resource_guard.devices`, nothing above.
 """
 
 from resource_guard.estimate.allocator import DeviceFit, device_fit
 from resource_guard.estimate.estimator import estimate_memory
+from resource_guard.estimate.eval_step import estimate_eval_memory, measure_eval_step
 from resource_guard.estimate.measure import MeasuredStep, measure_training_step
 from resource_guard.estimate.result import MemoryEstimate
 from resource_guard.estimate.tracer import CATEGORIES
@@ -36,6 +39,8 @@ __all__ = [
     "MemoryEstimate",
     "OptimizerArg",
     "device_fit",
+    "estimate_eval_memory",
     "estimate_memory",
+    "measure_eval_step",
     "measure_training_step",
 ]

@@ -2,7 +2,9 @@
 
 On fake tensors only an operator's declared outputs are seen. A few real CPU kernels do more: oneDNN
 convolutions reorder their inputs into blocked layouts, batch-norm backward keeps an input-sized
-buffer, oneDNN's LSTM returns a workspace whose meta kernel says it is empty, the CPU
+buffer, oneDNN's LSTM returns a workspace whose meta kernel says it is empty, the fused inference
+kernels of ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` hold their projections, scores
+and feed-forward inside one operator, the CPU
 flash-attention kernels allocate per-thread accumulators, and ATen's CPU scatter kernels accumulate a
 bf16/fp16 ``self`` in a float32 copy (``scatter_add_`` of a gather's backward: twice the bf16 gradient
 buffer) and ``masked_scatter`` keeps an index per mask element. For these
@@ -67,6 +69,10 @@ def _probed_ops() -> dict[Any, float]:
     for name, factor in (
         ("mkldnn_rnn_layer", 16.0),
         ("mkldnn_rnn_layer_backward", 16.0),
+        # the fused inference paths of nn.TransformerEncoderLayer / nn.MultiheadAttention (eval mode,
+        # no_grad): their projections, scores and feed-forward live and die inside one operator
+        ("_transformer_encoder_layer_fwd", 8.0),
+        ("_native_multi_head_attention", 8.0),
         *_CPU_FLASH.items(),
     ):
         op = getattr(_aten, name, None)
@@ -96,6 +102,10 @@ def _scatter_ops() -> dict[Any, float]:
 _CPU_SCATTER = _scatter_ops()
 # oneDNN bf16/fp16 GEMMs on CPU pack operands into scratch: measured ~1.4x the largest operand
 _REDUCED_GEMM_FACTOR = 1.5
+# ATen's CPU reductions of a bf16/fp16 tensor into float32 (``mean``, ``sum(dtype=torch.float32)``) first
+# copy the whole input to float32, and ``mean`` sums into a float32 result before casting it back
+# (``mean(x)``: an input-sized float32 copy and a float32 output, freed inside): probed, CPU targets only
+_CPU_WIDENING = {_aten.mean.dim, _aten.mean.default, _aten.sum.dim_IntList, _aten.sum.default}
 
 
 def _bytes_of(t: torch.Tensor) -> int:
@@ -255,6 +265,8 @@ def kernel_extra(
         return None
     if func in _CPU_SCATTER:
         return _scatter_extra(func, args, kwargs, out, size_of) if cpu else None
+    if func in _CPU_WIDENING:
+        return _widening_extra(func, args, kwargs, out, size_of) if cpu else None
     factor = _PROBED.get(func)
     if factor is None:
         return None
@@ -276,6 +288,18 @@ def _scatter_extra(
     if not factor:
         return None
     return _probe_or_rule(func, args, kwargs, out, size_of, factor)
+
+
+def _widening_extra(
+    func: Any, args: tuple, kwargs: dict, out: Any, size_of: Callable[[torch.Tensor], int | None]
+) -> KernelExtra | None:
+    """A CPU reduction's float32 copy of a bf16/fp16 input (``mean``; ``sum`` asked for a wider dtype)."""
+    self_ = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if self_ is None or self_.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if func in (_aten.sum.dim_IntList, _aten.sum.default) and kwargs.get("dtype") in (None, self_.dtype):
+        return None
+    return _probe_or_rule(func, args, kwargs, out, size_of, 2.0)
 
 
 def _low_precision(args: tuple) -> bool:

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.observe.oom import is_oom
 from resource_guard.step.batching import split_batch
 from resource_guard.step.precision import autocast_context, parse_precision
@@ -100,6 +101,10 @@ class Guard:
         optimizer_steps: optimizer steps taken (skipped GradScaler steps included).
         micro_steps: micro-batches processed.
         report: the monitor's report after exit (``None`` when monitoring is off).
+
+    ``eval_sample_batch``: one batch of the evaluation loop (its own batch size and shapes), whose step
+    is pre-flighted with the plan, before any training step, as it will run after the first optimizer
+    step (see :meth:`evaluate`).
     """
 
     def __init__(
@@ -121,6 +126,7 @@ class Guard:
         profile: Any = True,
         catalog: Any = None,
         memory_history: bool = False,
+        eval_sample_batch: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
@@ -145,6 +151,7 @@ class Guard:
             parse_precision(precision)  # an unknown name fails here, before anything else
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self._sample_batch = sample_batch
+        self._eval_sample = eval_sample_batch  # pre-flighted with the plan (see `evaluate`)
         self._target = target_batch_size
         self._plan_kwargs: dict[str, Any] = {
             "device": device,
@@ -167,6 +174,8 @@ class Guard:
         self._scaler: torch.amp.GradScaler | None = None
         self._ckpt: Any = None
         self._entered = False
+        self._eval_restore: tuple[bool, bool] | None = None  # train and grad mode to restore after evaluate
+        self._evals = EvalPreflights()
         self._pending = 0  # samples accumulated since the last optimizer step
         self._current_micro = 0  # size of the micro-batch being processed
         self._started = 0.0
@@ -221,6 +230,8 @@ class Guard:
             made = dataclasses.replace(made, reasons=(*made.reasons, StandInLoss.REASON))
         device = torch_device_of(made.device)
         self.plan, self.device = made, device
+        if self._eval_sample is not None:  # the evaluation to come, before any step
+            self._preflight_eval(self._eval_sample, later=True)
         if self._monitor_on:  # model FLOPs, before checkpointing adds its recomputation
             self._flops_per_sample = _flops_per_sample(self.model, batch, loss_fn)
         self.model.to(device)
@@ -236,6 +247,8 @@ class Guard:
             self._scaler = torch.amp.GradScaler(device.type)
         if self._monitor_on:
             self._start_monitor(batch)
+            for check in self._evals.checks:  # pre-flighted with the plan: into the report too
+                self._call_monitor("note", check.line())
 
     def _start_monitor(self, batch: Any) -> None:
         try:
@@ -298,6 +311,60 @@ class Guard:
             self._call_monitor("step_end")
         if self._pending:
             self._finish_partial_step()
+
+    def evaluate(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Yield the loader's batches on the device, with the model in eval mode under ``torch.no_grad()``.
+
+        Before the first batch runs, its evaluation step is pre-flighted beside what the run holds now
+        (parameters, the optimizer state once it exists, gradients the model holds; see
+        :mod:`~resource_guard.frontdoors.eval_preflight`): :class:`~resource_guard.errors.DoesNotFitError`
+        if it does not fit, naming the largest evaluation batch size that does. The step traced is the
+        guard's ``loss_fn`` (else the stand-in loss) under the planned precision: run the loop's forward
+        under :meth:`autocast` as in training. Batches are not split or timed as training steps. After
+        the loop (also on ``break`` or an exception) the model's mode and the grad mode are restored.
+        """
+        if self.plan is None or self.device is None:
+            raise ConfigurationError(
+                "`g.evaluate(loader)` needs the run planned first: iterate the train loader (`g.iterate`) "
+                "before evaluating, or pass `guard(..., sample_batch=...)`."
+            )
+        device, non_blocking = self.device, bool(getattr(loader, "pin_memory", False))
+        self._eval_restore = (self.model.training, torch.is_grad_enabled())
+        try:
+            for i, batch in enumerate(loader):
+                if i == 0:
+                    self._preflight_eval(batch)
+                    self.model.eval()
+                    torch.set_grad_enabled(False)
+                yield _to_device(batch, device, non_blocking)
+        finally:
+            self._end_evaluation()
+
+    def _preflight_eval(self, batch: Any, later: bool = False) -> None:
+        """``later``: as the step will run between epochs: the optimizer state exists, the gradients were
+        freed by the optimizer step's ``zero_grad``; else beside what the run holds now."""
+        plan = self.plan
+        assert plan is not None
+        check = self._evals.check(
+            self.model,
+            batch,
+            self.loss_fn if self.loss_fn is not None else StandInLoss(),
+            loop="evaluation",
+            device=plan.device,
+            optimizer=self.optimizer if later or self.optimizer.state else None,
+            gradients_kept=False if later else None,
+            precision=plan.precision,
+            headroom=plan.headroom,
+        )
+        if check is not None:  # new: into the plan's reasons and the report
+            self.plan = dataclasses.replace(plan, reasons=(*plan.reasons, check.line()))
+            self._call_monitor("note", check.line())
+
+    def _end_evaluation(self) -> None:
+        restore, self._eval_restore = self._eval_restore, None
+        if restore is not None:
+            self.model.train(restore[0])
+            torch.set_grad_enabled(restore[1])
 
     def _expect_steps(self, loader: Iterable[Any]) -> None:
         """The monitor's step count at the end of this pass over ``loader`` (the report's ETA), if sized."""
@@ -376,6 +443,7 @@ class Guard:
     # tear-down
 
     def _teardown(self, exc: BaseException | None) -> None:
+        self._end_evaluation()  # an evaluation left by an exception: train and grad mode back
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             try:

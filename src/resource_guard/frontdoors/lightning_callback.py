@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -37,6 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from resource_guard.devices import parse_memory_limit
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.frontdoors import lightning_apply as ap
+from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.observe.profiling import ProfileWindow
 from resource_guard.step.precision import PRECISIONS, parse_precision
 
@@ -163,6 +165,8 @@ class ResourceGuard(Callback):
         self._applied: ap.Applied | None = None
         self._monitor: Any = None
         self._fixed = ap.Fixed()
+        self._evals = EvalPreflights()  # validation and test pre-flights (frontdoors/lightning_eval.py)
+        self._eval_notes: list[str] = []  # their lines, for the monitor's report once it runs
 
     # -- set-up --------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -205,6 +209,7 @@ class ResourceGuard(Callback):
                 f"ResourceGuard: re-applied the decisions stored in the checkpoint: "
                 f"{_describe(restored)} (no new plan).",
             )
+            self._preflight_eval(trainer, pl_module, "validate")
             return
         target = self.target_batch_size or (restored.target_batch_size if restored is not None else None)
         started = time.perf_counter()
@@ -234,6 +239,44 @@ class ResourceGuard(Callback):
         if restored is not None:
             notes.append(f"re-planned: the checkpoint was made with world size {restored.world_size}")
         self._log(trainer, self._render(decisions, time.perf_counter() - started, notes))
+        self._preflight_eval(trainer, pl_module, "validate")  # before the sanity check and any step
+
+    # -- evaluation: validation and test, each on its own dataloader's batch ----------------------------
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "validate":  # `trainer.validate`; fit's is checked in on_fit_start
+            self._preflight_eval(trainer, pl_module, "validate")
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._preflight_eval(trainer, pl_module, "test")
+
+    def _preflight_eval(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from resource_guard.frontdoors.lightning_eval import preflight_loops
+
+        made, fitting = self.plan, trainer.state.fn == "fit"
+        checks = preflight_loops(
+            trainer,
+            pl_module,
+            stage,
+            self._evals,
+            plan=made,
+            device_name=self.device,
+            memory_limit=self.memory_limit,
+            headroom=self.headroom,
+            precision=self.decisions.precision if fitting and self.decisions is not None else None,
+            fail_fast=self.fail_fast,
+        )
+        for check in checks:
+            rank_zero_info(f"ResourceGuard: {check.line()}")
+            if self.plan is not None:
+                self.plan = dataclasses.replace(self.plan, reasons=(*self.plan.reasons, check.line()))
+            self._eval_notes.append(check.line())
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The evaluation pre-flights into the monitor's report (it starts after ``on_fit_start``)."""
+        if self._monitor is not None and self._eval_notes:
+            for line in self._eval_notes:
+                self._monitor.note(line)
+            self._eval_notes.clear()
 
     def _plan_locally(
         self,

@@ -276,6 +276,10 @@ class RunMonitor(MonitorOutputs):
         except Exception as exc:
             self._break(exc)
 
+    def note(self, text: str) -> None:
+        """Add a line to the report's notes (e.g. the evaluation step's pre-flight)."""
+        self._notes.append(str(text))
+
     @property
     def steps(self) -> int:
         """Steps (``step_end`` calls) recorded so far."""

@@ -135,7 +135,8 @@ class StandInLoss:
     does not require (the targets of ``(inputs, targets)``), else ``model(batch)``. When the output
     carries a loss (a scalar, or ``.loss`` / ``["loss"]``) that loss is used as is, exactly.
     Otherwise the outputs stand in for the loss: each floating-point output tensor that requires
-    grad (only ``logits`` when a mapping or ``ModelOutput`` has them) goes through
+    grad (under ``no_grad``, as in an evaluation step: every one; only ``logits`` when a mapping or
+    ``ModelOutput`` has them) goes through
     ``F.cross_entropy`` over its last dimension against class 0 — the kernels, saved tensors and
     gradients of a cross-entropy over logits (the commonest loss), under whatever precision policy
     the step runs (CPU or the target's CUDA autocast). A loss that keeps more
@@ -215,7 +216,9 @@ def _standin_tensors(output: Any) -> list[torch.Tensor]:
     """The outputs a stand-in loss reduces: the tensor, a container's ``logits``, else its float tensors."""
     logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
     found = [logits] if isinstance(logits, torch.Tensor) else iter_tensors(output)
-    return [t for t in found if t.is_floating_point() and t.requires_grad]
+    # under no_grad (an evaluation step) nothing requires grad: every floating-point output counts
+    grad = torch.is_grad_enabled()
+    return [t for t in found if t.is_floating_point() and (t.requires_grad or not grad)]
 
 
 def call_loss_fn(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
