@@ -259,8 +259,10 @@ class MonitorOutputs:
         if self._tb is not None:
             tb = self._tb
             self._guard(
-                "TensorBoard", lambda: tb.text("projection", remaining_markdown(left), self._step), off="_tb"
-            )
+                "TensorBoard",
+                lambda: tb.text("projection", remaining_markdown(left), self._step, flush=False),
+                off="_tb",
+            )  # flushed with the interval's scalars, which follow
 
     def _write_outputs(self, report: Report) -> None:
         """Rank zero, at close: the report and the memory picture to TensorBoard and to ``report.md``,

@@ -124,9 +124,12 @@ class TBLog:
             file_writer.add_summary(Summary(value=values_pb), step)
         self._flush()
 
-    def text(self, tag: str, markdown: str, step: int = 0) -> None:
+    def text(self, tag: str, markdown: str, step: int = 0, *, flush: bool = True) -> None:
+        """Write ``markdown`` as ``resource_guard/<tag>``; ``flush=False`` leaves it to the next call's
+        flush (one wait for the writer thread per log boundary, not one per call)."""
         self.writer.add_text(TAG_PREFIX + tag, markdown, step)
-        self._flush()
+        if flush:
+            self._flush()
 
     def image(self, tag: str, image_hwc: np.ndarray, step: int = 0) -> None:
         self.writer.add_image(TAG_PREFIX + tag, image_hwc, step, dataformats="HWC")
