@@ -22,7 +22,12 @@ Also printed: the monitor's per-step calls timed alone (``batch_ready`` + ``step
 does not log, and the extra cost of a step that logs), which is the floor the loop figures cannot show
 on a noisy machine. Target (issue #22): monitoring <= 0.2% of the step.
 
-Run:  python benchmarks/monitor_overhead.py [--rounds 15] [--steps 300] [--json PATH]
+Run:  python benchmarks/monitor_overhead.py [--rounds 15] [--steps 300] [--json PATH] 2>/dev/null
+
+Wall time is what a user feels, and on a shared machine it is also what other processes disturb most;
+the training thread's CPU time (``time.thread_time``) leaves out the time the thread was not running, so
+its differences are steadier, but it also leaves out the monitor's waits (the TensorBoard flush at a log
+boundary waits for the writer's thread). Both are printed.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -63,8 +69,21 @@ def _data(n_batches: int) -> TensorDataset:
 # -- Lightning -------------------------------------------------------------------------------------------
 
 
-def lightning_run(variant: str, steps: int, warmup: int, root: str) -> float:
-    """Mean seconds per training step after ``warmup`` steps of one ``Trainer.fit``."""
+def _per_step(stamps: list[tuple[int, int]], warmup: int) -> tuple[float, float]:
+    """Mean (wall, training-thread CPU) seconds per step after ``warmup`` steps."""
+    if len(stamps) <= warmup + 1:
+        raise RuntimeError(f"only {len(stamps)} steps ran")
+    n = len(stamps) - 1 - warmup
+    (w0, c0), (w1, c1) = stamps[warmup], stamps[-1]
+    return (w1 - w0) / n / 1e9, (c1 - c0) / n / 1e9
+
+
+def _stamp() -> tuple[int, int]:
+    return time.perf_counter_ns(), time.thread_time_ns()
+
+
+def lightning_run(variant: str, steps: int, warmup: int, root: str) -> tuple[float, float]:
+    """Mean (wall, CPU) seconds per training step after ``warmup`` steps of one ``Trainer.fit``."""
     import lightning.pytorch as L
     from lightning.pytorch.callbacks import Callback, DeviceStatsMonitor
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -90,10 +109,10 @@ def lightning_run(variant: str, steps: int, warmup: int, root: str) -> float:
 
     class Timing(Callback):
         def __init__(self) -> None:
-            self.stamps: list[int] = []
+            self.stamps: list[tuple[int, int]] = []
 
         def on_train_batch_end(self, *args: Any) -> None:
-            self.stamps.append(time.perf_counter_ns())
+            self.stamps.append(_stamp())
 
     callbacks: list[Callback] = []
     if variant == "empty":
@@ -119,30 +138,27 @@ def lightning_run(variant: str, steps: int, warmup: int, root: str) -> float:
         enable_model_summary=False,
     )
     trainer.fit(Module())
-    stamps = timing.stamps
-    if len(stamps) <= warmup + 1:
-        raise RuntimeError(f"{variant}: only {len(stamps)} steps ran")
-    return (stamps[-1] - stamps[warmup]) / (len(stamps) - 1 - warmup) / 1e9
+    return _per_step(timing.stamps, warmup)
 
 
 # -- plain PyTorch ---------------------------------------------------------------------------------------
 
 
-def plain_run(variant: str, steps: int, warmup: int, root: str) -> float:
-    """Mean seconds per step after ``warmup`` steps: a bare loop, or the loop under ``guard``."""
+def plain_run(variant: str, steps: int, warmup: int, root: str) -> tuple[float, float]:
+    """Mean (wall, CPU) seconds per step after ``warmup`` steps: a bare loop, or the loop under ``guard``."""
     from resource_guard import guard
 
     torch.manual_seed(0)
     model = _mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loader = DataLoader(_data(steps), batch_size=BATCH)
-    stamps: list[int] = []
+    stamps: list[tuple[int, int]] = []
     if variant == "bare":
         for x, y in loader:
             nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            stamps.append(time.perf_counter_ns())
+            stamps.append(_stamp())
     else:
         monitor = variant == "guard"
         with guard(
@@ -160,8 +176,8 @@ def plain_run(variant: str, steps: int, warmup: int, root: str) -> float:
                 with g.autocast():
                     loss = nn.functional.cross_entropy(model(x), y)
                 g.backward(loss)
-                stamps.append(time.perf_counter_ns())
-    return (stamps[-1] - stamps[warmup]) / (len(stamps) - 1 - warmup) / 1e9
+                stamps.append(_stamp())
+    return _per_step(stamps, warmup)
 
 
 # -- the monitor's own calls -----------------------------------------------------------------------------
@@ -199,11 +215,63 @@ def monitor_calls(log_dir: str, n: int = 5000) -> tuple[float, float]:
     return per_step, max(0.0, per_logging_step - per_step)
 
 
+def dispatch_costs(n: int = 2000) -> dict[str, float]:
+    """Seconds per training step that Lightning spends calling one callback's per-step hooks (those of
+    ``on_train_batch_start`` .. ``on_train_batch_end``), beyond a Trainer with no callback: the fixed
+    cost of being a callback. ``guard`` here is ``ResourceGuard``'s dispatch alone (no monitor running).
+    """
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.trainer import call
+
+    from resource_guard import ResourceGuard
+
+    makers = {
+        "none": lambda: None,
+        "empty": Callback,
+        "guard": lambda: ResourceGuard(monitor=False, profile=False),
+    }
+    batch, loss = torch.randn(2, 32), torch.zeros((), requires_grad=True)
+    runs = {}
+    for name, make in makers.items():
+        callback = make()
+        trainer = L.Trainer(
+            max_steps=1,
+            callbacks=[callback] if callback is not None else [],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(BoringModel())
+        optimizer = trainer.optimizers[0]
+        hooks = [
+            ("on_train_batch_start", (batch, 0)),
+            ("on_before_backward", (loss,)),
+            ("on_after_backward", ()),
+            ("on_before_optimizer_step", (optimizer,)),
+            ("on_before_zero_grad", (optimizer,)),
+            ("on_train_batch_end", ({"loss": loss}, batch, 0)),
+        ]
+        runs[name] = (trainer, hooks)
+    out = dict.fromkeys(runs, math.inf)
+    for _ in range(15):  # round-robin, best of 15: what the calls cost when nothing else runs
+        for name, (trainer, hooks) in runs.items():
+            t = time.perf_counter_ns()
+            for _ in range(n):
+                for hook, args in hooks:
+                    call._call_callback_hooks(trainer, hook, *args)
+            out[name] = min(out[name], (time.perf_counter_ns() - t) / n / 1e9)
+    return {name: value - out["none"] for name, value in out.items() if name != "none"}
+
+
 def _summary(times: dict[str, list[float]], base: str) -> dict[str, dict[str, float]]:
+    """Per variant: the median step, and the medians over rounds of its difference from the baseline of
+    the same round (µs per step, share of the baseline's step), with the quartiles of the share."""
     out = {}
     for name, values in times.items():
-        step = statistics.median(values)
-        row = {"step_ms_median": step * 1e3}
+        row = {"step_ms_median": statistics.median(values) * 1e3}
         if name != base:
             diffs = [v - b for v, b in zip(values, times[base])]
             share = [v / b - 1 for v, b in zip(values, times[base])]
@@ -237,38 +305,41 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+    for name in ("lightning.pytorch", "lightning.pytorch.utilities.rank_zero", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    logging.getLogger("resource_guard").setLevel(logging.ERROR)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    light = ("none", "empty", "guard", "dsm")
-    plain = ("bare", "nomon", "guard")
-    results: dict[str, Any] = {"steps": args.steps, "rounds": args.rounds, "warmup": args.warmup}
+    doors = {
+        "lightning": (("none", "empty", "guard", "dsm"), lightning_run, "Lightning Trainer.fit"),
+        "plain": (("bare", "nomon", "guard"), plain_run, "plain loop"),
+    }
+    if args.only:
+        doors = {args.only: doors[args.only]}
+    walls: dict[str, dict[str, list[float]]] = {d: {v: [] for v in spec[0]} for d, spec in doors.items()}
+    cpus: dict[str, dict[str, list[float]]] = {d: {v: [] for v in spec[0]} for d, spec in doors.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        light_t: dict[str, list[float]] = {v: [] for v in light}
-        plain_t: dict[str, list[float]] = {v: [] for v in plain}
-        for v in light if args.only != "plain" else ():  # warm-up: imports, thread pools, first plan
-            lightning_run(v, 60, 10, tmp)
-        for v in plain if args.only != "lightning" else ():
-            plain_run(v, 60, 10, tmp)
+        for variants, run, _ in doors.values():  # warm-up: imports, thread pools, the first plan
+            for v in variants:
+                run(v, 60, 10, tmp)
         for r in range(args.rounds):
-            if args.only != "plain":
-                for v in light[r % len(light) :] + light[: r % len(light)]:
-                    light_t[v].append(lightning_run(v, args.steps, args.warmup, tmp))
-            if args.only != "lightning":
-                for v in plain[r % len(plain) :] + plain[: r % len(plain)]:
-                    plain_t[v].append(plain_run(v, args.steps, args.warmup, tmp))
+            for door, (variants, run, _) in doors.items():
+                k = r % len(variants)
+                for v in variants[k:] + variants[:k]:
+                    wall, cpu = run(v, args.steps, args.warmup, tmp)
+                    walls[door][v].append(wall)
+                    cpus[door][v].append(cpu)
         per_step, per_log = monitor_calls(f"{tmp}/calls")
+        dispatch = dispatch_costs() if "lightning" in doors else {}
+    results: dict[str, Any] = {"steps": args.steps, "rounds": args.rounds, "warmup": args.warmup}
     print(f"{args.rounds} interleaved rounds of {args.steps} steps ({args.warmup} warm-up), 1 torch thread")
-    if args.only != "plain":
-        rows = _summary(light_t, "none")
-        results["lightning"] = rows
-        _print("Lightning Trainer.fit (vs none):", rows, "none")
-    if args.only != "lightning":
-        rows = _summary(plain_t, "bare")
-        results["plain"] = rows
-        _print("plain loop (vs bare):", rows, "bare")
-    step_s = statistics.median(light_t["none"] if args.only != "plain" else plain_t["bare"])
+    for door, (variants, _, title) in doors.items():
+        base = variants[0]
+        results[door] = {"wall": _summary(walls[door], base), "thread_cpu": _summary(cpus[door], base)}
+        _print(f"{title}, wall time (vs {base}):", results[door]["wall"], base)
+        _print(f"{title}, training thread's CPU time (vs {base}):", results[door]["thread_cpu"], base)
+    first = next(iter(doors))
+    # the share of a step is taken of the baseline's training-thread CPU time per step: what the step
+    # takes when the thread is not kept waiting by other processes (an idle machine's wall time)
+    step_s = statistics.median(cpus[first][doors[first][0][0]])
     direct = (per_step + per_log / 50) / step_s
     results["monitor_calls"] = {
         "us_per_step": per_step * 1e6,
@@ -279,6 +350,16 @@ def main() -> None:
         f"monitor calls alone: {per_step * 1e6:.2f} us per step, +{per_log * 1e6:.0f} us per logging step; "
         f"{direct:.3%} of a {step_s * 1e3:.2f} ms step at log_every_n_steps=50"
     )
+    if dispatch:
+        results["lightning_dispatch_us_per_step"] = {k: v * 1e6 for k, v in dispatch.items()}
+        parts = ", ".join(f"{k} {v * 1e6:.2f}" for k, v in dispatch.items())
+        print(f"Lightning's dispatch of one callback's per-step hooks, us per step beyond none: {parts}")
+        total = dispatch["guard"] + per_step + per_log / 50
+        results["guard_direct_share_of_step"] = total / step_s
+        print(
+            f"ResourceGuard(profile=False) direct: dispatch + monitor calls + logging steps / 50 = "
+            f"{total * 1e6:.2f} us per step, {total / step_s:.3%} of the step"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
