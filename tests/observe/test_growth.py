@@ -271,3 +271,33 @@ def test_a_failing_memory_read_is_one_warning_and_training_goes_on(monkeypatch: 
     assert len(record) == 1
     report = mon.close()
     assert report is not None and report.stats.steps == 5
+
+
+@pytest.mark.parametrize("leak", [True, False], ids=["leak", "healthy"])
+def test_the_lightning_callback_reports_growth_only_for_a_leak(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leak: bool
+) -> None:
+    from test_faults import BATCH, LitNet, Rows, lit_trainer, loader, rg
+
+    cuda = install_fake_cuda(monkeypatch)
+    install_fake_nvml(monkeypatch, [FakeGpu("NVIDIA A100-SXM4-40GB", "GPU-aaaa")])
+    monkeypatch.setattr(growth, "READ_BUDGET", 1.0)  # a read at every step end, however fast the step
+
+    class Module(LitNet):
+        def train_dataloader(self) -> Any:
+            return loader(Rows(n=40 * BATCH))
+
+    callback = rg(tmp_path, profile=False)
+    trainer = lit_trainer(callback, max_steps=40)
+    # what torch.cuda.memory_allocated shows at step ends: 2 MiB more per optimizer step, or flat
+    cuda.allocated = lambda: 256 * MiB + (2 * MiB * trainer.global_step if leak else 0)
+    trainer.fit(Module())
+    report = callback.report
+    assert report is not None and report.stats.steps == 40
+    found = report.finding("memory-growth")
+    if leak:
+        assert found is not None and found.evidence["bytes_per_step"] == pytest.approx(2 * MiB)
+        assert found.evidence["batch_shapes"] == [[BATCH, 8], [BATCH, 1]]
+    else:
+        assert found is None and report.stats.memory_growth is not None
+        assert report.stats.memory_growth["bytes_per_step"] == 0

@@ -238,7 +238,9 @@ class MemoryWatch:
 
     __slots__ = ("_read", "source", "_clock", "next_step", "_stride", "_last", "samples")
 
-    def __init__(self, read: Callable[[], int], source: str, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self, read: Callable[[], int], source: str, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self._read, self.source, self._clock = read, source, clock
         self.next_step = 1
         self._stride = 1
