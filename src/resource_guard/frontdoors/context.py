@@ -254,6 +254,9 @@ class Guard:
                 profile=self._profile,
                 precision=plan.precision,
                 memory_history=self._history,
+                # Lightning's default: a log boundary (aggregation, one TensorBoard flush) costs ~0.3 ms,
+                # ~6 us a step over 50 steps, ~30 us over 10
+                log_every_n_steps=50,
             )
             self._monitor.start()
         except ConfigurationError:
