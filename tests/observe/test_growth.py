@@ -35,6 +35,7 @@ from resource_guard.observe.monitor import RunMonitor
 from resource_guard.report import memory_rules
 from resource_guard.report.findings import Report, RunStats, analyze
 from resource_guard.report.memory_rules import rule_fragmentation, rule_memory_growth
+from resource_guard.report.tensorboard import custom_scalar_layout
 from resource_guard.report.terminal import make_console, render_report
 
 MiB = 2**20
@@ -231,9 +232,10 @@ def test_fragmentation_and_growth_on_cuda_reach_the_report_and_tensorboard(
     } <= tags
     assert ea.Scalars("resource_guard/memory/alloc_retries")[-1].value == 3
     allocated = [e.value for e in ea.Scalars("resource_guard/memory/allocated_bytes")]
-    assert (
-        allocated == sorted(allocated) and allocated[-1] > allocated[0]
-    )  # the leak, as TensorBoard shows it
+    # the leak, as TensorBoard shows it, in its own chart
+    assert allocated == sorted(allocated) and allocated[-1] > allocated[0]
+    layout = custom_scalar_layout()["resource_guard"]
+    assert any("memory/allocated_bytes" in r for r in layout["memory at step ends (bytes)"][1])
     text = ea.Tensors("resource_guard/report/text_summary")[-1].tensor_proto.string_val[0].decode()
     assert "fragmentation" in text and "memory-growth" in text
 

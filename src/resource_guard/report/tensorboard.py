@@ -52,6 +52,12 @@ _CHARTS = {
     "utilization": ["util/mfu", "gpu/util_percent", "host/process_cpu_percent", "host/system_cpu_percent"],
     "memory (bytes)": ["memory/peak_bytes", "gpu/memory_used_bytes", "host/process_rss_bytes"],
     "memory vs estimate": ["memory/estimate_error"],
+    "memory at step ends (bytes)": [
+        "memory/allocated_bytes",
+        "memory/reserved_bytes",
+        "memory/reserved_gap_bytes",
+    ],
+    "allocator retries": ["memory/alloc_retries"],
     "GPU power and clock": ["gpu/power_w", "gpu/temperature_c", "gpu/sm_clock_mhz"],
 }
 _CAPACITY_COLOR = "#dc0000"
