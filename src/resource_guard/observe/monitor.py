@@ -2,9 +2,11 @@
 Lightning callback) drive with ``start`` / ``batch_ready`` / ``step_end`` / ``close``.
 
 It combines the background :class:`~resource_guard.observe.sampler.Sampler` (host and NVML gauges), the
-per-step :class:`~resource_guard.observe.throughput.StepTimer` (data wait vs compute, throughput, MFU), a
-bounded :class:`~resource_guard.observe.profiling.StepProfiler` window and TensorBoard output
-(:mod:`resource_guard.report.tensorboard`); at ``close`` it builds the :class:`~resource_guard.Report`.
+per-step :class:`~resource_guard.observe.throughput.StepTimer` (data wait vs compute, throughput, MFU), the
+allocated memory at some step ends (:class:`~resource_guard.observe.growth.MemoryWatch`, for the
+``memory-growth`` finding), a bounded :class:`~resource_guard.observe.profiling.StepProfiler` window and
+TensorBoard output (:mod:`resource_guard.report.tensorboard`); at ``close`` it builds the
+:class:`~resource_guard.Report`.
 
 Contract: nothing raised inside monitoring reaches the training loop. Each failing part (NVML, psutil,
 the writer, the profiler) gives one ``ResourceGuardWarning`` and is switched off; only ``start()``
