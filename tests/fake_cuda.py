@@ -4,6 +4,9 @@
 creates believe it runs on ``cuda:0`` (and sample every 10 ms, so that NVML is read several times in a
 short run); ``torch.cuda.max_memory_allocated`` reads :data:`PEAK_BYTES`; the private memory-history
 calls are recorded in the returned object's ``history`` list, and ``_dump_snapshot`` writes a small file.
+``torch.cuda.memory_allocated`` reads the returned object's ``allocated`` (bytes, or a callable that
+returns them) and ``torch.cuda.memory_stats`` its ``stats`` dict (the allocator's flat keys), which a
+test may change while the run goes on.
 """
 
 from __future__ import annotations
@@ -38,7 +41,19 @@ class FakeEvent:
 
 
 def install(monkeypatch: Any) -> types.SimpleNamespace:
-    fake = types.SimpleNamespace(history=[])
+    fake = types.SimpleNamespace(
+        history=[],
+        allocated=PEAK_BYTES // 2,
+        stats={
+            "allocated_bytes.all.current": PEAK_BYTES // 2,
+            "reserved_bytes.all.current": PEAK_BYTES,
+            "num_alloc_retries": 0,
+        },
+    )
+
+    def memory_allocated(device: Any = None) -> int:
+        value = fake.allocated
+        return int(value() if callable(value) else value)
 
     def record_history(enabled: str | None = "all", **kwargs: Any) -> None:
         fake.history.append(("record", enabled, kwargs))
@@ -52,6 +67,8 @@ def install(monkeypatch: Any) -> types.SimpleNamespace:
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: PEAK_BYTES)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", memory_allocated)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(fake.stats))
     props = types.SimpleNamespace(total_memory=40 * 2**30, name="NVIDIA A100-SXM4-40GB", major=8, minor=0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record_history)

@@ -647,7 +647,7 @@ def test_events_file_unwritable_mid_run_is_one_warning(
     assert report is not None and report.stats.steps == 8
     assert json.loads((tmp_path / "report.json").read_text())["summary"]["steps"] == 8
     # every interval logged before the disk filled up is in the file, however late TensorBoard's writer
-    # thread ran (TBLog flushes at each log boundary): the guard logs step 1 (then every 10 steps), the
+    # thread ran (TBLog flushes at each log boundary): the guard logs step 1 (then every 50 steps), the
     # Lightning run every step (log_every_n_steps=1), and the fault hits after step 3
     logged = [e.step for e in events(tmp_path).Scalars("resource_guard/time/step_s")]
     assert logged == ([1] if door == "guard" else [1, 2, 3]), "what was logged before the fault is on disk"

@@ -52,6 +52,7 @@ from torch import nn
 
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
+from resource_guard.observe.growth import batch_signature
 from resource_guard.observe.oom import is_oom
 from resource_guard.step.batching import split_batch
 from resource_guard.step.precision import autocast_context, parse_precision
@@ -178,6 +179,7 @@ class Guard:
         self._evals = EvalPreflights()
         self._pending = 0  # samples accumulated since the last optimizer step
         self._current_micro = 0  # size of the micro-batch being processed
+        self._rows_by_signature: dict[Any, int | None] = {}
         self._started = 0.0
 
     # ------------------------------------------------------------------------------------------------
@@ -265,6 +267,9 @@ class Guard:
                 profile=self._profile,
                 precision=plan.precision,
                 memory_history=self._history,
+                # Lightning's default: a log boundary (aggregation, one TensorBoard flush) costs ~0.3 ms,
+                # ~6 us a step over 50 steps, ~30 us over 10
+                log_every_n_steps=50,
             )
             self._monitor.start()
         except ConfigurationError:
@@ -304,10 +309,16 @@ class Guard:
             device = self.device
             assert device is not None and self.plan is not None
             moved = _to_device(batch, device, non_blocking)
-            for micro in split_batch(moved, self.plan.micro_batch_size):
-                self._current_micro = batch_size_of(micro) or 1
-                yield micro
+            rows = self._rows(moved)
+            if rows is not None and rows <= self.plan.micro_batch_size:  # the hot path: no slicing
+                self._current_micro = rows
+                yield moved
                 self.micro_steps += 1
+            else:
+                for micro in split_batch(moved, self.plan.micro_batch_size):
+                    self._current_micro = batch_size_of(micro) or 1
+                    yield micro
+                    self.micro_steps += 1
             self._call_monitor("step_end")
         if self._pending:
             self._finish_partial_step()
@@ -366,6 +377,18 @@ class Guard:
             self.model.train(restore[0])
             torch.set_grad_enabled(restore[1])
 
+    def _rows(self, batch: Any) -> int | None:
+        """``batch_size_of(batch)``, looked up by the batch's signature (shapes and dtypes) once seen."""
+        signature = batch_signature(batch)
+        if signature is None:
+            return batch_size_of(batch)
+        rows = self._rows_by_signature.get(signature, -1)
+        if rows == -1:
+            rows = batch_size_of(batch)
+            if len(self._rows_by_signature) < 4096:
+                self._rows_by_signature[signature] = rows
+        return rows
+
     def _expect_steps(self, loader: Iterable[Any]) -> None:
         """The monitor's step count at the end of this pass over ``loader`` (the report's ETA), if sized."""
         if self._monitor is not None and isinstance(loader, Sized):
@@ -390,7 +413,7 @@ class Guard:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ConfigurationError(f"`g.backward(loss)` needs a scalar loss tensor, got {shape}.")
         size = self._current_micro or 1
-        scaled = loss * (size / self._target)
+        scaled = loss if size == self._target else loss * (size / self._target)  # x 1.0: no extra op
         if self._scaler is not None:
             scaled = self._scaler.scale(scaled)
         scaled.backward()
@@ -541,6 +564,9 @@ def _monitor_capacity(plan: Plan, device: torch.device | None) -> int:
 
 
 def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
+    parts = batch.values() if type(batch) is dict else batch if type(batch) in (tuple, list) else None
+    if parts is not None and all(isinstance(t, torch.Tensor) and t.device == device for t in parts):
+        return batch  # a flat batch already there: nothing to rebuild
     return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
 
 

@@ -5,6 +5,7 @@
 - :mod:`~resource_guard.observe.sampler`: the background thread (NVML, psutil).
 - :mod:`~resource_guard.observe.throughput`: per-step timers, samples/tokens per second, MFU.
 - :mod:`~resource_guard.observe.stats`: interval rows → :class:`~resource_guard.report.types.RunStats`.
+- :mod:`~resource_guard.observe.growth`: allocated memory at step ends by batch signature, its trend.
 - :mod:`~resource_guard.observe.profiling`: the bounded torch.profiler window.
 - :mod:`~resource_guard.observe.oom`: out-of-memory capture.
 

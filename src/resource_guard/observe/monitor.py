@@ -2,9 +2,11 @@
 Lightning callback) drive with ``start`` / ``batch_ready`` / ``step_end`` / ``close``.
 
 It combines the background :class:`~resource_guard.observe.sampler.Sampler` (host and NVML gauges), the
-per-step :class:`~resource_guard.observe.throughput.StepTimer` (data wait vs compute, throughput, MFU), a
-bounded :class:`~resource_guard.observe.profiling.StepProfiler` window and TensorBoard output
-(:mod:`resource_guard.report.tensorboard`); at ``close`` it builds the :class:`~resource_guard.Report`.
+per-step :class:`~resource_guard.observe.throughput.StepTimer` (data wait vs compute, throughput, MFU), the
+allocated memory at some step ends (:class:`~resource_guard.observe.growth.MemoryWatch`, for the
+``memory-growth`` finding), a bounded :class:`~resource_guard.observe.profiling.StepProfiler` window and
+TensorBoard output (:mod:`resource_guard.report.tensorboard`); at ``close`` it builds the
+:class:`~resource_guard.Report`.
 
 Contract: nothing raised inside monitoring reaches the training loop. Each failing part (NVML, psutil,
 the writer, the profiler) gives one ``ResourceGuardWarning`` and is switched off; only ``start()``
@@ -41,18 +43,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.observe.growth import MemoryWatch, batch_signature, cpu_allocated_bytes
 from resource_guard.observe.oom import OomEvent, is_oom, memory_history
 from resource_guard.observe.outputs import MonitorOutputs, console_summary
-from resource_guard.observe.profiling import ProfileSummary, ProfileWindow, StepProfiler
+from resource_guard.observe.profiling import ProfileWindow, StepProfiler
 from resource_guard.observe.sampler import Sampler, reset_peak_rss
-from resource_guard.observe.stats import METRIC_KEYS, run_stats
-from resource_guard.observe.throughput import StepTimer, batch_counts, count_flops, peak_flops_per_s
-from resource_guard.report.findings import Report, RunStats, analyze
+from resource_guard.observe.stats import METRIC_KEYS
+from resource_guard.observe.throughput import StepTimer, batch_counts, count_flops
+from resource_guard.report.findings import Report, analyze
 from resource_guard.report.tensorboard import TBLog
+from resource_guard.step.training import iter_tensors
 
 if TYPE_CHECKING:  # estimate (and its tracer) is not imported at run time
     from resource_guard.devices import DeviceSpec
@@ -171,6 +174,10 @@ class RunMonitor(MonitorOutputs):
         self._events: list[tuple[Any, Any]] = []
         self._open_event: Any = None
         self._rss_reset = False
+        self._memory: MemoryWatch | None = None
+        self._counts: dict[Any, tuple[int, int]] = {}  # (samples, tokens) by batch signature
+        self._signature: Any = None
+        self._nested: Any = None  # a batch without a flat signature, until its step ends
         self._step = 0
         self._intervals: list[tuple[float, ...]] = []
         self._started = self._closed = self._broken = False
@@ -221,7 +228,17 @@ class RunMonitor(MonitorOutputs):
             )
             self._guard("profiler", self._profiler.start, off="_profiler")
         self._rss_reset = not self._cuda and reset_peak_rss()
+        self._guard("memory growth", self._watch_memory)
         self._timer = StepTimer(_clock())
+
+    def _watch_memory(self) -> None:
+        """Allocated memory at step ends, for the ``memory-growth`` finding (:mod:`.growth`)."""
+        if self._cuda:
+            device = self.device
+            self._memory = MemoryWatch(lambda: torch.cuda.memory_allocated(device), "cuda_allocated")
+        else:
+            source = cpu_allocated_bytes()[1]
+            self._memory = MemoryWatch(lambda: cpu_allocated_bytes()[0], source)
 
     def _setup_cuda(self) -> None:
         if self._cuda and not torch.cuda.is_available():
@@ -239,14 +256,26 @@ class RunMonitor(MonitorOutputs):
         )
 
     def batch_ready(self, batch: Any) -> None:
-        """A batch arrived: the data wait ends and compute begins. Infers samples and tokens."""
+        """A batch arrived: the data wait ends and compute begins. Infers samples and tokens.
+
+        The hot path: a time stamp and the batch's signature (its tensors' shapes and dtypes), by which
+        the samples and tokens of a shape seen before are looked up rather than counted again.
+        """
         timer = self._timer
         if timer is None or self._broken:
             return
         now = _clock()
         try:
-            samples, tokens = batch_counts(batch)
-            timer.batch_ready(now, samples, tokens)
+            signature = batch_signature(batch)
+            counts = self._counts.get(signature) if signature is not None else None
+            if counts is None:
+                counts = batch_counts(batch)
+                if signature is not None and len(self._counts) < 4096:
+                    self._counts[signature] = counts
+                else:
+                    self._nested = batch
+            timer.batch_ready(now, *counts)
+            self._signature = signature
             if self._cuda and self._open_event is None:
                 self._open_event = torch.cuda.Event(enable_timing=True)
                 self._open_event.record()
@@ -261,6 +290,10 @@ class RunMonitor(MonitorOutputs):
         try:
             timer.step_end(_clock())
             self._step += 1
+            memory = self._memory
+            if memory is not None and self._step >= memory.next_step:
+                self._guard("memory growth", self._sample_memory, memory, off="_memory")
+            self._nested = None
             if self._open_event is not None:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
@@ -279,6 +312,12 @@ class RunMonitor(MonitorOutputs):
     def note(self, text: str) -> None:
         """Add a line to the report's notes (e.g. the evaluation step's pre-flight)."""
         self._notes.append(str(text))
+
+    def _sample_memory(self, memory: MemoryWatch) -> None:
+        signature = self._signature
+        if signature is None and self._nested is not None:  # nested batch: its shapes, at this step only
+            signature = tuple(tuple(t.shape) for t in iter_tensors(self._nested))
+        memory.sample(self._step, signature)
 
     @property
     def steps(self) -> int:
@@ -320,49 +359,6 @@ class RunMonitor(MonitorOutputs):
         if self._tb is not None:
             self._guard("TensorBoard", self._tb.close, off="_tb")
         return self.report
-
-    # -- intervals ---------------------------------------------------------------------------------
-    def _collective_device(self) -> torch.device | None:
-        import torch.distributed as dist
-
-        if self._cuda and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-            return self.device
-        return None
-
-    def _peak_flops(self) -> float | None:
-        spec = self.device_spec
-        if spec is None:
-            return None
-        return peak_flops_per_s(spec.peak_tflops, self.precision, torch.get_float32_matmul_precision())
-
-    # -- the end of the run ----------------------------------------------------------------------
-    def _run_stats(self, profile: ProfileSummary | None) -> RunStats:
-        return run_stats(
-            self._intervals,
-            device=self.device,
-            cuda=self._cuda,
-            device_spec=self.device_spec,
-            flops_per_step=self.flops_per_step,
-            peak_flops_per_s=self._peak_flops(),
-            capacity_bytes=self._capacity(),
-            estimated_peak_bytes=self._estimated_peak_bytes(),
-            precision=self.precision,
-            loader_info=self.loader_info,
-            world_size=self.world_size,
-            stall_threshold=self.stall_threshold,
-            profile=profile,
-            notes=tuple(self._notes),
-            oom=None if self._oom is None else self._oom.to_dict(),
-        )
-
-    def _capacity(self) -> int | None:
-        if self.capacity_bytes is not None:
-            return self.capacity_bytes
-        if self.device_spec is not None:
-            return self.device_spec.memory_bytes
-        if self._cuda:
-            return int(torch.cuda.get_device_properties(self.device).total_memory)
-        return int(psutil.virtual_memory().total)
 
     # -- degrading -------------------------------------------------------------------------------
     def _guard(self, part: str, fn: Any, *args: Any, off: str | None = None, **kwargs: Any) -> Any:

@@ -11,28 +11,32 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import torch
 
 from resource_guard.observe.oom import SNAPSHOT_FILE, OomEvent, memory_history, write_oom
 from resource_guard.observe.sampler import peak_rss_bytes, reset_peak_rss
-from resource_guard.observe.stats import METRIC_KEYS, interval_row, job_row, tensorboard_scalars
-from resource_guard.observe.throughput import aggregate_rows
+from resource_guard.observe.stats import METRIC_KEYS, interval_row, job_row, run_stats, tensorboard_scalars
+from resource_guard.observe.throughput import aggregate_rows, peak_flops_per_s
 from resource_guard.planning.projection_result import remaining_markdown, remaining_run
-from resource_guard.report.findings import Report
+from resource_guard.report.findings import Report, RunStats
 from resource_guard.report.tensorboard import memory_picture, png_bytes
 
 if TYPE_CHECKING:
     from resource_guard.devices import DeviceSpec
     from resource_guard.estimate import MemoryEstimate
+    from resource_guard.observe.growth import MemoryWatch
+    from resource_guard.observe.profiling import ProfileSummary
     from resource_guard.observe.sampler import Sampler
     from resource_guard.observe.throughput import StepTimer
     from resource_guard.report.tensorboard import TBLog
 
-__all__ = ["MonitorOutputs", "console_summary"]
+__all__ = ["MonitorOutputs", "console_summary", "expandable_segments"]
 
 _log = logging.getLogger("resource_guard")
 
@@ -62,10 +66,13 @@ class MonitorOutputs:
     _intervals: list[tuple[float, ...]]
     _history: bool
     _guard: Callable[..., Any]
-    _peak_flops: Callable[[], float | None]
-    _capacity: Callable[[], int | None]
     _comparable_estimate: int | None = None  # cached by _estimated_peak_bytes
-    _collective_device: Callable[[], torch.device | None]
+    _memory: MemoryWatch | None
+    _oom: OomEvent | None
+    _notes: list[str]
+    capacity_bytes: int | None
+    precision: str | None
+    loader_info: dict[str, Any]
 
     @property
     def _files_dir(self) -> Path | None:  # the monitor's: where report and OOM files go
@@ -86,6 +93,9 @@ class MonitorOutputs:
             device_compute_s = device_ms / 1e3 / len(self._events)
             self._events.clear()
         peak = self._guard("memory peak", self._peak_memory, gauges)
+        memory = self._guard("allocator figures", self._allocator_figures) if self._cuda else {}
+        if self._memory is not None and self._memory.samples:
+            memory["memory/allocated_bytes"] = self._memory.samples[-1][2]  # the last step-end reading
         row = interval_row(
             iv,
             gauges,
@@ -94,6 +104,7 @@ class MonitorOutputs:
             peak_bytes=peak,
             estimated_peak_bytes=self._estimated_peak_bytes() if self._cuda else None,
             gpu_index=self.device.index or 0,
+            memory=memory,
         )
         values = list(row.values())
         means, maxes = aggregate_rows(values, self._collective_device()) if collective else (values, values)
@@ -112,6 +123,54 @@ class MonitorOutputs:
         out = tensorboard_scalars(agg, maxes, gauges, world_size=self.world_size)
         self._guard("TensorBoard", lambda: self._tb.scalars(self._step, out), off="_tb")  # type: ignore[union-attr]
 
+    def _collective_device(self) -> torch.device | None:
+        import torch.distributed as dist
+
+        if self._cuda and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            return self.device
+        return None
+
+    def _peak_flops(self) -> float | None:
+        spec = self.device_spec
+        if spec is None:
+            return None
+        return peak_flops_per_s(spec.peak_tflops, self.precision, torch.get_float32_matmul_precision())
+
+    # -- the end of the run ----------------------------------------------------------------------
+    def _run_stats(self, profile: ProfileSummary | None) -> RunStats:
+        return run_stats(
+            self._intervals,
+            device=self.device,
+            cuda=self._cuda,
+            device_spec=self.device_spec,
+            flops_per_step=self.flops_per_step,
+            peak_flops_per_s=self._peak_flops(),
+            capacity_bytes=self._capacity(),
+            estimated_peak_bytes=self._estimated_peak_bytes(),
+            precision=self.precision,
+            loader_info=self.loader_info,
+            world_size=self.world_size,
+            stall_threshold=self.stall_threshold,
+            profile=profile,
+            notes=tuple(self._notes),
+            oom=None if self._oom is None else self._oom.to_dict(),
+            memory_growth=self._memory_growth(),
+            expandable_segments=expandable_segments() if self._cuda else None,
+        )
+
+    def _memory_growth(self) -> dict[str, Any] | None:
+        trend = self._guard("memory growth", self._memory.trend) if self._memory is not None else None
+        return None if trend is None else trend.to_dict()
+
+    def _capacity(self) -> int | None:
+        if self.capacity_bytes is not None:
+            return self.capacity_bytes
+        if self.device_spec is not None:
+            return self.device_spec.memory_bytes
+        if self._cuda:
+            return int(torch.cuda.get_device_properties(self.device).total_memory)
+        return int(psutil.virtual_memory().total)
+
     def _estimated_peak_bytes(self) -> int | None:
         """The estimate of what this run measures: on CUDA the allocator model's
         ``max_memory_allocated`` (tensor bytes rounded to the allocator's blocks) for the device, else
@@ -129,6 +188,18 @@ class MonitorOutputs:
                 value = estimate.peak_bytes
         self._comparable_estimate = value
         return value
+
+    def _allocator_figures(self) -> dict[str, float]:
+        """The CUDA caching allocator's reserved bytes, reserved minus allocated, and its running count
+        of ``cudaMalloc`` retries (one ``memory_stats`` call, at a log boundary only)."""
+        stats = torch.cuda.memory_stats(self.device)
+        reserved = float(stats.get("reserved_bytes.all.current", 0))
+        allocated = float(stats.get("allocated_bytes.all.current", 0))
+        return {
+            "memory/reserved_bytes": reserved,
+            "memory/reserved_gap_bytes": max(0.0, reserved - allocated),
+            "memory/alloc_retries": float(stats.get("num_alloc_retries", 0)),
+        }
 
     def _peak_memory(self, gauges: Mapping[str, tuple[float, float]]) -> float | None:
         """The interval's peak: the CUDA allocator's (then reset), else the process's RSS high-water mark
@@ -188,8 +259,10 @@ class MonitorOutputs:
         if self._tb is not None:
             tb = self._tb
             self._guard(
-                "TensorBoard", lambda: tb.text("projection", remaining_markdown(left), self._step), off="_tb"
-            )
+                "TensorBoard",
+                lambda: tb.text("projection", remaining_markdown(left), self._step, flush=False),
+                off="_tb",
+            )  # flushed with the interval's scalars, which follow
 
     def _write_outputs(self, report: Report) -> None:
         """Rank zero, at close: the report and the memory picture to TensorBoard and to ``report.md``,
@@ -225,6 +298,14 @@ class MonitorOutputs:
                 (directory / "memory.png").write_bytes(png_bytes(picture))
 
         self._guard("report files", write_files)
+
+
+def expandable_segments() -> bool:
+    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` (or its newer name ``PYTORCH_ALLOC_CONF``) turns on
+    ``expandable_segments``."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    options = dict(part.split(":", 1) for part in conf.replace(" ", "").split(",") if ":" in part)
+    return options.get("expandable_segments", "").lower() == "true"
 
 
 def console_summary(report: Report) -> None:

@@ -40,12 +40,11 @@ def peak_rss_bytes() -> int | None:
     ``None`` where ``/proc/self/status`` is not readable (macOS, Windows).
     """
     try:
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        text = _STATUS.read_bytes()
+        start = text.index(b"VmHWM:") + 6
+        return int(text[start : text.index(b"kB", start)]) * 1024
+    except (OSError, ValueError):
         return None
-    return None
 
 
 def reset_peak_rss() -> bool:

@@ -30,10 +30,19 @@ METRIC_KEYS = (
     ("steps", "time/step_s", "time/data_wait_s", "time/compute_s", "time/data_wait_share", "time/stalled")
     + ("time/device_compute_s", "throughput/samples_per_s", "throughput/tokens_per_s", "util/mfu")
     + ("memory/peak_bytes", "memory/estimate_error")
+    + ("memory/allocated_bytes", "memory/reserved_bytes", "memory/reserved_gap_bytes", "memory/alloc_retries")
     + tuple(f"host/{k}" for k in _HOST_KEYS)
     + tuple(f"gpu/{k}" for k in _GPU_KEYS)
 )
 RANK_MAX_KEYS = ("time/step_s", "time/data_wait_share")  # logged with a ``_max`` tag under DDP
+# the fullest (or most retried) rank counts for these, not the mean rank
+_MAX_OVER_RANKS = (
+    "memory/peak_bytes",
+    "memory/allocated_bytes",
+    "memory/reserved_bytes",
+    "memory/reserved_gap_bytes",
+    "memory/alloc_retries",
+)
 _NAN = math.nan
 
 
@@ -46,11 +55,13 @@ def interval_row(
     peak_bytes: float | None,
     estimated_peak_bytes: int | None,
     gpu_index: int,
+    memory: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """This rank's row for one interval (``NaN`` for unknown); ``gauges`` maps a key to (mean, max).
 
     ``estimated_peak_bytes`` (CUDA runs only) gives ``memory/estimate_error``; of the sampled GPUs,
-    ``gpu_index`` is the one this rank trains on.
+    ``gpu_index`` is the one this rank trains on. ``memory`` holds the other ``memory/*`` keys read at
+    this boundary (the last step-end reading, the CUDA allocator's reserved bytes, gap and retries).
     """
     row = dict.fromkeys(METRIC_KEYS, _NAN)
     wall = max(iv.wall_s, 1e-12)
@@ -67,6 +78,9 @@ def interval_row(
         row["memory/peak_bytes"] = float(peak_bytes)
         if estimated_peak_bytes:
             row["memory/estimate_error"] = (peak_bytes - estimated_peak_bytes) / estimated_peak_bytes
+    for key, value in (memory or {}).items():
+        if key in row and value is not None:
+            row[key] = float(value)
     own_gpu = f"gpu{gpu_index}/"
     for key, (mean, _max) in gauges.items():
         if key.startswith("host/"):
@@ -88,7 +102,8 @@ def job_row(
     """The job's row from the ranks' ``means`` and ``maxes`` of ``row``: peak memory of the fullest rank,
     throughput of all ranks, MFU from the mean step time."""
     agg = dict(zip(row, means))
-    agg["memory/peak_bytes"] = maxes[METRIC_KEYS.index("memory/peak_bytes")]  # the fullest rank counts
+    for key in _MAX_OVER_RANKS:
+        agg[key] = maxes[METRIC_KEYS.index(key)]
     for key in ("throughput/samples_per_s", "throughput/tokens_per_s"):
         agg[key] = agg[key] * world_size  # the mean rank's rate × ranks = the job's rate
     if flops_per_step and peak_flops_per_s:
@@ -130,12 +145,16 @@ def run_stats(
     profile: ProfileSummary | None,
     notes: tuple[str, ...],
     oom: Mapping[str, Any] | None,
+    memory_growth: Mapping[str, Any] | None = None,
+    expandable_segments: bool | None = None,
 ) -> RunStats:
     """The run-level :class:`~resource_guard.report.findings.RunStats` from the logged interval rows.
 
     Means are weighted by each interval's wall time and leave out the first interval (the start-up
     step) when there are others; the peak memory is the maximum over all intervals. ``cuda`` says
-    whether the peaks came from the CUDA allocator (else from the process RSS).
+    whether the peaks came from the CUDA allocator (else from the process RSS). The allocator's
+    retries are its running count at the last boundary; reserved bytes are the highest reading, with
+    the gap read at the same boundary.
     """
     rows = [dict(zip(METRIC_KEYS, r)) for r in intervals]
     steps = int(sum(r["steps"] for r in rows))
@@ -150,6 +169,10 @@ def run_stats(
 
     body_steps = sum(r["steps"] for r in body)
     peaks = [r["memory/peak_bytes"] for r in rows if not math.isnan(r["memory/peak_bytes"])]
+    reserved_rows = [r for r in rows if not math.isnan(r["memory/reserved_bytes"])]
+    top = max(reserved_rows, key=lambda r: r["memory/reserved_bytes"], default=None)
+    retries = [r["memory/alloc_retries"] for r in rows if not math.isnan(r["memory/alloc_retries"])]
+    gap = top["memory/reserved_gap_bytes"] if top is not None else math.nan
     spec = device_spec
     step_time = wall / body_steps if body_steps else None
     mfu = None
@@ -193,4 +216,9 @@ def run_stats(
         profile=profile,
         notes=notes,
         oom=oom,
+        memory_growth=memory_growth,
+        alloc_retries=int(max(retries)) if retries else None,
+        reserved_bytes=int(top["memory/reserved_bytes"]) if top is not None else None,
+        reserved_gap_bytes=None if math.isnan(gap) else int(gap),
+        expandable_segments=expandable_segments,
     )

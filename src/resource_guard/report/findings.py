@@ -4,7 +4,8 @@ Every rule is a small pure function ``RunStats -> Finding | None`` (:mod:`resour
 the thresholds are documented); :func:`analyze` runs them all and adds ``healthy`` when no rule raised
 a warning. Finding ids are stable (``report.json`` consumers rely on them): ``oom``, ``input-bound``,
 ``launch-bound``, ``memory-pressure``, ``precision``, ``host-to-device``, ``alignment``,
-``estimate-drift``, ``healthy``. The markdown rendering is in :mod:`resource_guard.report.markdown`.
+``estimate-drift``, ``memory-growth``, ``fragmentation``, ``healthy``. The markdown rendering is in
+:mod:`resource_guard.report.markdown`.
 
 Example:
     >>> stats = RunStats(steps=50, data_wait_share=0.4, loader_info={"num_workers": 0}, available_cores=8)
@@ -36,9 +37,11 @@ from resource_guard.report.rules import RULES
 from resource_guard.report.rules import TINY_KERNEL_US as TINY_KERNEL_US
 from resource_guard.report.rules import rule_alignment as rule_alignment
 from resource_guard.report.rules import rule_estimate_drift as rule_estimate_drift
+from resource_guard.report.rules import rule_fragmentation as rule_fragmentation
 from resource_guard.report.rules import rule_host_to_device as rule_host_to_device
 from resource_guard.report.rules import rule_input_bound as rule_input_bound
 from resource_guard.report.rules import rule_launch_bound as rule_launch_bound
+from resource_guard.report.rules import rule_memory_growth as rule_memory_growth
 from resource_guard.report.rules import rule_memory_pressure as rule_memory_pressure
 from resource_guard.report.rules import rule_oom as rule_oom
 from resource_guard.report.rules import rule_precision as rule_precision

@@ -18,6 +18,7 @@ raised a warning). The thresholds are module constants:
 - estimate-drift: the CUDA allocator's measured peak (``max_memory_allocated``) > the pre-flight
   estimate of that same quantity (the allocator model's allocated peak) by more than
   ``ESTIMATE_DRIFT_FRACTION`` (5%). Never on the CPU, whose measured figure is the process's RSS.
+- memory-growth, fragmentation: memory over time, in :mod:`resource_guard.report.memory_rules`.
 
 The rules are re-exported from :mod:`resource_guard.report.findings`.
 """
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from resource_guard.devices import format_bytes
+from resource_guard.report.memory_rules import rule_fragmentation, rule_memory_growth
 from resource_guard.report.types import Finding, RunStats
 
 __all__ = [
@@ -48,6 +50,8 @@ __all__ = [
     "rule_host_to_device",
     "rule_alignment",
     "rule_estimate_drift",
+    "rule_memory_growth",
+    "rule_fragmentation",
 ]
 
 CRITICAL_DATA_WAIT_SHARE = 0.25
@@ -296,4 +300,6 @@ RULES: tuple[Callable[[RunStats], Finding | None], ...] = (
     rule_host_to_device,
     rule_alignment,
     rule_estimate_drift,
+    rule_memory_growth,
+    rule_fragmentation,
 )

@@ -52,6 +52,12 @@ _CHARTS = {
     "utilization": ["util/mfu", "gpu/util_percent", "host/process_cpu_percent", "host/system_cpu_percent"],
     "memory (bytes)": ["memory/peak_bytes", "gpu/memory_used_bytes", "host/process_rss_bytes"],
     "memory vs estimate": ["memory/estimate_error"],
+    "memory at step ends (bytes)": [
+        "memory/allocated_bytes",
+        "memory/reserved_bytes",
+        "memory/reserved_gap_bytes",
+    ],
+    "allocator retries": ["memory/alloc_retries"],
     "GPU power and clock": ["gpu/power_w", "gpu/temperature_c", "gpu/sm_clock_mhz"],
 }
 _CAPACITY_COLOR = "#dc0000"
@@ -124,9 +130,12 @@ class TBLog:
             file_writer.add_summary(Summary(value=values_pb), step)
         self._flush()
 
-    def text(self, tag: str, markdown: str, step: int = 0) -> None:
+    def text(self, tag: str, markdown: str, step: int = 0, *, flush: bool = True) -> None:
+        """Write ``markdown`` as ``resource_guard/<tag>``; ``flush=False`` leaves it to the next call's
+        flush (one wait for the writer thread per log boundary, not one per call)."""
         self.writer.add_text(TAG_PREFIX + tag, markdown, step)
-        self._flush()
+        if flush:
+            self._flush()
 
     def image(self, tag: str, image_hwc: np.ndarray, step: int = 0) -> None:
         self.writer.add_image(TAG_PREFIX + tag, image_hwc, step, dataformats="HWC")

@@ -25,6 +25,8 @@ FINDING_IDS = (
     "host-to-device",
     "alignment",
     "estimate-drift",
+    "memory-growth",
+    "fragmentation",
     "healthy",
 )
 
@@ -128,6 +130,12 @@ class RunStats:
     Times are means per step over the run, leaving out the first step (data-loader start, lazy inits).
     ``peak_memory_source`` is ``"cuda_allocated"`` (``torch.cuda.max_memory_allocated``) or ``"rss"``
     (the process's peak resident set size, which includes the interpreter and libraries).
+    ``memory_growth`` is the trend of allocated memory at step ends at equal batch shapes
+    (:meth:`resource_guard.observe.growth.MemoryTrend.to_dict`). The CUDA allocator's figures, read at
+    log boundaries: ``alloc_retries`` (``num_alloc_retries``: cudaMalloc calls that failed and were
+    retried after the cache was freed), ``reserved_bytes`` (the highest reserved) and
+    ``reserved_gap_bytes`` (reserved minus allocated at that reading); ``expandable_segments`` whether
+    ``PYTORCH_CUDA_ALLOC_CONF`` turned them on.
     """
 
     steps: int = 0
@@ -162,6 +170,11 @@ class RunStats:
     profile: ProfileSummary | None = None
     notes: tuple[str, ...] = ()
     oom: Mapping[str, Any] | None = None
+    memory_growth: Mapping[str, Any] | None = None
+    alloc_retries: int | None = None
+    reserved_bytes: int | None = None
+    reserved_gap_bytes: int | None = None
+    expandable_segments: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -169,6 +182,7 @@ class RunStats:
         out["profile"] = None if self.profile is None else self.profile.to_dict()
         out["notes"] = list(self.notes)
         out["oom"] = None if self.oom is None else dict(self.oom)
+        out["memory_growth"] = None if self.memory_growth is None else dict(self.memory_growth)
         return out
 
     @classmethod
