@@ -1,0 +1,407 @@
+"""The step's memory for every batch shape a run produces: a cache, a fitted model, and traces.
+
+:class:`ShapeModel` answers, for a batch about to run under a :class:`~resource_guard.Plan`, whether
+its micro-batch fits the plan's device, and if not, the largest micro-batch of that shape that does.
+The figure it decides on is the planner's own (:class:`~resource_guard.planning.search.Tracer`): the
+target device's view from ``for_device`` (allocator rounding and segments, context, workspace) at the
+plan's precision, checkpointing, strategy and accumulation, with the plan's headroom.
+
+How a signature (:func:`~resource_guard.planning.worst_case.signature_of`) is answered:
+
+1. **Cache**: a signature seen before costs one dict lookup.
+2. **Model**: the signature differs from the plan's sample batch in its rows and along one axis of
+   dimensions that vary together (a sequence length, an image side). Along that axis the step's
+   peak is a polynomial: linear in the rows, at most quadratic in the length (attention's ``s²`` on
+   the math path, linear elsewhere). The model is fitted by least squares on traced points (rows
+   ``{m, m/2}`` × three lengths), checked on one point more than it has coefficients, and trusted
+   only inside the box of lengths and rows it traced, only while every point lies on it (within
+   :data:`EXACT_BYTES`; allocator segments on a GPU are not polynomial, and widen the margin it
+   adds). Below the box the figure at its lower edge is used (the step's memory does not shrink as a
+   batch grows). A prediction within the margin of the limit is traced instead.
+3. **Trace**: anything else (outside the box, two axes varying at once, a new structure): the batch
+   itself is traced, exactly; a new length is added to the model, which extends its box when the
+   point agrees with the fit (verified by that extra point).
+
+A micro-batch that does not fit is searched down as the planner searches (:func:`search_largest`
+over the divisors of its rows), so the largest micro-batch of that shape that fits is a traced fit.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from resource_guard.planning.planner import plan
+    >>> emb = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64))
+    >>> loss = lambda m, b: nn.functional.cross_entropy(m(b).flatten(0, 1), b.flatten())
+    >>> sample = torch.randint(0, 64, (4, 8))
+    >>> p = plan(emb, torch.optim.SGD, sample, loss, device="cpu", precision="32-true")
+    >>> shapes = ShapeModel(emb, torch.optim.SGD, sample, loss, p)
+    >>> shapes.check(torch.randint(0, 64, (4, 8))).source
+    'plan'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from resource_guard.planning.checkpointing import find_checkpoint_blocks
+from resource_guard.planning.planner import Plan
+from resource_guard.planning.search import Candidate, Tracer, search_largest
+from resource_guard.planning.strategy import unit_param_bytes
+from resource_guard.planning.worst_case import (
+    Position,
+    Signature,
+    describe_signature,
+    resize_along,
+    signature_of,
+)
+from resource_guard.step.batching import divisors
+from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of
+
+__all__ = ["EXACT_BYTES", "ShapeFit", "ShapeModel", "Surface"]
+
+EXACT_BYTES = 4096
+"""A fit whose points all lie within this many bytes of it is exact (tensor bytes are integers)."""
+_TRUST_SHARE = 0.01  # a fit off by more than 1% of its largest point is not trusted at all
+
+
+@dataclass(frozen=True)
+class ShapeFit:
+    """What a batch of one signature needs under the plan.
+
+    Attributes:
+        shape: the signature in words (``"8×513 int64, 8×513 int64"``).
+        rows: the batch's rows (its leading dimension).
+        micro_batch_size: rows per micro-batch under the plan (``min(rows, plan micro-batch)``).
+        predicted_peak_bytes: the device total per rank at that micro-batch (an upper bound when
+            ``source`` is ``"model"`` or ``"bound"``).
+        usable_bytes: the plan's usable memory (capacity less headroom).
+        fits: ``predicted_peak_bytes <= usable_bytes``.
+        source: ``"plan"`` (the plan's own trace), ``"traced"``, ``"model"`` (the fitted polynomial)
+            or ``"bound"`` (the model's figure at the edge of its box, for a smaller shape).
+        fitting_micro_batch_size: the largest micro-batch of this shape that fits (traced): equal to
+            ``micro_batch_size`` when it fits, smaller when the batch must be split, ``None`` when not
+            even one row fits.
+        fitting_peak_bytes: the device total at ``fitting_micro_batch_size`` (``None`` with it).
+        signature: the ``(shape, dtype)`` key.
+    """
+
+    shape: str
+    rows: int
+    micro_batch_size: int
+    predicted_peak_bytes: int
+    usable_bytes: int
+    fits: bool
+    source: str
+    fitting_micro_batch_size: int | None
+    fitting_peak_bytes: int | None = None
+    signature: Signature = field(default=(), repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shape": self.shape,
+            "rows": self.rows,
+            "micro_batch_size": self.micro_batch_size,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "usable_bytes": self.usable_bytes,
+            "fits": self.fits,
+            "source": self.source,
+            "fitting_micro_batch_size": self.fitting_micro_batch_size,
+            "fitting_peak_bytes": self.fitting_peak_bytes,
+        }
+
+
+class Surface:
+    """A step's device total over (rows, length): least squares on traced points, trusted when exact.
+
+    Basis: ``rows^i · length^j`` for ``i ≤ 1``, ``j ≤ 2``, each capped by the distinct values traced
+    less one; a fit needs one point more than its coefficients. ``margin_bytes`` is twice the largest
+    residual (0 on an exact fit).
+
+    Example:
+        >>> s = Surface()
+        >>> for r in (2, 4):
+        ...     for n in (8, 16, 32):
+        ...         s.add(r, n, 1000 + r * (3 * n + n * n))
+        >>> s.add(4, 24, 1000 + 4 * (3 * 24 + 24 * 24))
+        >>> s.trusted, s.predict(3, 20)
+        (True, 2440)
+    """
+
+    def __init__(self) -> None:
+        self.points: dict[tuple[int, int], int] = {}
+        self.trusted = False
+        self.margin_bytes = 0
+        self._terms: list[tuple[int, int]] = []
+        self._coef: np.ndarray | None = None
+        self._scale = (1.0, 1.0)
+
+    def add(self, rows: int, length: int, total: int) -> None:
+        self.points[(rows, length)] = int(total)
+        self._refit()
+
+    @property
+    def box(self) -> tuple[int, int, int, int]:
+        """``(rows_min, rows_max, length_min, length_max)`` of the traced points."""
+        rs = [r for r, _ in self.points]
+        ns = [n for _, n in self.points]
+        return min(rs), max(rs), min(ns), max(ns)
+
+    def _refit(self) -> None:
+        rows = sorted({r for r, _ in self.points})
+        lengths = sorted({n for _, n in self.points})
+        i_max, j_max = min(1, len(rows) - 1), min(2, len(lengths) - 1)
+        self._terms = [(i, j) for i in range(i_max + 1) for j in range(j_max + 1)]
+        self.trusted = False
+        if len(self.points) <= len(self._terms):
+            return
+        self._scale = (float(rows[-1]), float(lengths[-1]))
+        keys = list(self.points)
+        a = np.array([self._row(r, n) for r, n in keys])
+        y = np.array([float(self.points[k]) for k in keys])
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+        worst = float(np.max(np.abs(a @ coef - y)))
+        self._coef = coef
+        self.margin_bytes = 0 if worst <= EXACT_BYTES else int(math.ceil(2 * worst))
+        self.trusted = worst <= max(EXACT_BYTES, _TRUST_SHARE * float(np.max(y)))
+
+    def _row(self, rows: float, length: float) -> list[float]:
+        r, n = rows / self._scale[0], length / self._scale[1]
+        return [r**i * n**j for i, j in self._terms]
+
+    def predict(self, rows: int, length: int) -> int:
+        """The fitted total, rounded up, plus the margin (requires :attr:`trusted`)."""
+        assert self._coef is not None
+        return int(math.ceil(float(np.dot(self._row(rows, length), self._coef)))) + self.margin_bytes
+
+
+class ShapeModel:
+    """Fit checks of batch shapes under one plan (module docstring): cache, model, trace.
+
+    Args:
+        model, optimizer, loss_fn: as the plan was made with.
+        sample_batch: the batch the plan was made on.
+        plan: the :class:`~resource_guard.Plan` the run follows.
+        checkpoint_applied: the plan's checkpointing is already switched on in ``model`` (the front
+            doors apply it); traces then leave the model as it is.
+        trace_context: entered around every trace (the Lightning callback detaches the Trainer).
+
+    Attributes:
+        traces: estimate traces made so far (the plan's own not counted).
+        seen: every signature checked, with its :class:`ShapeFit`, in the order first seen.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerArg,
+        sample_batch: Any,
+        loss_fn: LossFn | None,
+        plan: Plan,
+        *,
+        checkpoint_applied: bool = False,
+        trace_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    ) -> None:
+        self.model, self.optimizer, self.loss_fn, self.plan = model, optimizer, loss_fn, plan
+        self._sample = sample_batch
+        self._base = signature_of(sample_batch)
+        self._micro = plan.micro_batch_size
+        self._per_rank = plan.micro_batch_size * plan.accumulation_steps
+        self._ckpt: bool | int = 0 if checkpoint_applied else plan.checkpoint_every
+        self._context = trace_context or contextlib.nullcontext
+        self._blocks = find_checkpoint_blocks(model)
+        self._units = unit_param_bytes(model, plan.precision)
+        self._tracers: dict[tuple[frozenset[Position], int], Tracer] = {}
+        self.seen: dict[Signature, ShapeFit] = {}
+        self._surfaces: dict[frozenset[Position], Surface] = {}
+        self._others: list[Tracer] = []
+        self._plan_traces = 0
+        rows = batch_size_of(sample_batch) or self._micro
+        micro = min(rows, self._micro)
+        if micro == self._micro:  # the plan's traced figure is this signature's
+            total = plan.fit.device_total_bytes
+            self.seen[self._base] = self._fit_from(self._base, rows, micro, total, "plan")
+
+    @property
+    def traces(self) -> int:
+        return sum(t.count for t in (*self._tracers.values(), *self._others))
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.plan.fit.usable_bytes
+
+    # -- the question ------------------------------------------------------------------------------
+    def check(self, batch: Any) -> ShapeFit:
+        """The :class:`ShapeFit` of ``batch``: cached, predicted, or traced (module docstring)."""
+        signature = signature_of(batch)
+        found = self.seen.get(signature)
+        if found is None:
+            found = self.seen[signature] = self._decide(batch, signature)
+        return found
+
+    def predict(self, rows: int, length: int, positions: frozenset[Position]) -> int | None:
+        """The model's upper bound of the device total at ``rows`` × ``length``; None if it cannot vouch."""
+        surface = self._surfaces.get(positions)
+        if surface is None or not surface.trusted:
+            return None
+        r_lo, r_hi, n_lo, n_hi = surface.box
+        if rows > r_hi or length > n_hi:
+            return None
+        return surface.predict(max(rows, r_lo), max(length, n_lo))
+
+    def learn(self, positions: frozenset[Position], lengths: tuple[int, ...]) -> Surface:
+        """Trace the design points along ``positions`` (rows ``{m, m/2}`` × ``lengths`` and one check)."""
+        surface = self._surface(positions)
+        row_values = sorted({self._micro, max(1, self._micro // 2)})
+        for length in sorted(set(lengths)):
+            for rows in row_values:
+                self._point(positions, length, rows)
+        n = sorted(set(lengths))
+        if len(n) >= 2 and not surface.trusted:  # one point more than the coefficients
+            self._point(positions, (n[0] + n[1]) // 2 or n[0], row_values[-1])
+        return surface
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _axis(self, signature: Signature) -> tuple[int, frozenset[Position], int] | None:
+        """``(rows, positions, length)`` of a signature against the sample's; None if not one axis."""
+        base = self._base
+        if len(signature) != len(base):
+            return None
+        rows: set[int] = set()
+        varying: dict[Position, int] = {}
+        length0: set[int] = set()
+        for index, ((shape, dtype), (shape0, dtype0)) in enumerate(zip(signature, base, strict=True)):
+            if dtype != dtype0 or len(shape) != len(shape0):
+                return None
+            if shape:
+                rows.add(shape[0])
+            for d in range(1, len(shape)):
+                if shape[d] != shape0[d]:
+                    varying[(index, d)] = shape[d]
+                    length0.add(shape0[d])
+        if len(rows) != 1 or len(set(varying.values())) > 1 or len(length0) > 1:
+            return None
+        if not varying:
+            return rows.pop(), frozenset(), 0
+        return rows.pop(), frozenset(varying), next(iter(varying.values()))
+
+    def _decide(self, batch: Any, signature: Signature) -> ShapeFit:
+        axis = self._axis(signature)
+        rows = batch_size_of(batch) or 1
+        micro = min(rows, self._micro)
+        if axis is not None:
+            _, positions, length = axis
+            predicted = self.predict(micro, length, positions) if positions else None
+            if predicted is not None:
+                margin = self._surfaces[positions].margin_bytes
+                r_lo, _, n_lo, _ = self._surfaces[positions].box
+                source = "bound" if micro < r_lo or length < n_lo else "model"
+                if predicted <= self.usable_bytes:
+                    return self._fit_from(signature, rows, micro, predicted, source)
+                if predicted - 2 * margin > self.usable_bytes:  # surely over: find what fits, traced
+                    return self._split(batch, signature, rows, micro, predicted, source, positions, length)
+            tracer = self._tracer(positions, length, batch)
+            cand = self._evaluate(tracer, micro)
+            if positions:
+                self._note(positions, length, micro, cand)
+            if cand.fits:
+                return self._fit_from(signature, rows, micro, cand.total, "traced")
+            return self._split(batch, signature, rows, micro, cand.total, "traced", positions, length)
+        tracer = self._new_tracer(batch)  # a structure of its own: traced on its own, counted
+        self._others.append(tracer)
+        cand = self._evaluate(tracer, micro)
+        if cand.fits:
+            return self._fit_from(signature, rows, micro, cand.total, "traced")
+        found = self._search(tracer, micro)
+        return self._fit_from(signature, rows, micro, cand.total, "traced", found)
+
+    def _split(
+        self,
+        batch: Any,
+        signature: Signature,
+        rows: int,
+        micro: int,
+        total: int,
+        source: str,
+        positions: frozenset[Position],
+        length: int,
+    ) -> ShapeFit:
+        found = self._search(self._tracer(positions, length, batch), micro)
+        return self._fit_from(signature, rows, micro, total, source, found)
+
+    def _search(self, tracer: Tracer, micro: int) -> Candidate | None:
+        with self._context():
+            return search_largest(tracer, divisors(micro), self._ckpt, self.plan.strategy)  # type: ignore[arg-type]
+
+    def _note(self, positions: frozenset[Position], length: int, rows: int, cand: Candidate) -> None:
+        """Add a traced point; a second length along an axis makes the model learn it."""
+        surface = self._surface(positions)
+        surface.add(rows, length, cand.total)
+        lengths = {n for _, n in surface.points}
+        if len(lengths) == 2 and not surface.trusted and len(surface.points) < 4:
+            low, high = sorted(lengths)
+            self.learn(positions, (low, (low + high) // 2, high))
+
+    def _surface(self, positions: frozenset[Position]) -> Surface:
+        """The model along ``positions``, seeded with the plan's own point when it has one."""
+        surface = self._surfaces.get(positions)
+        if surface is None:
+            surface = self._surfaces[positions] = Surface()
+            index, dim = next(iter(positions))
+            if self.seen.get(self._base) is not None:
+                surface.add(self._micro, self._base[index][0][dim], self.plan.fit.device_total_bytes)
+        return surface
+
+    def _point(self, positions: frozenset[Position], length: int, rows: int) -> None:
+        surface = self._surface(positions)
+        if (rows, length) not in surface.points:
+            surface.add(rows, length, self._evaluate(self._tracer(positions, length), rows).total)
+
+    def _tracer(self, positions: frozenset[Position], length: int, batch: Any = None) -> Tracer:
+        key = (positions, length)
+        tracer = self._tracers.get(key)
+        if tracer is None:
+            if batch is None:
+                batch = resize_along(self._sample, positions, length) if positions else self._sample
+            tracer = self._tracers[key] = self._new_tracer(batch)
+        return tracer
+
+    def _new_tracer(self, batch: Any) -> Tracer:
+        p = self.plan
+        return Tracer(
+            self.model, self.optimizer, batch, self.loss_fn, p.precision, p.device, p.headroom, self._units,
+            p.world_size, self._blocks, policy=p.fsdp_precision, per_rank=self._per_rank,
+        )  # fmt: skip
+
+    def _evaluate(self, tracer: Tracer, rows: int) -> Candidate:
+        with self._context():
+            return tracer.evaluate(self._ckpt, self.plan.strategy, rows)
+
+    def _fit_from(
+        self,
+        signature: Signature,
+        rows: int,
+        micro: int,
+        total: int,
+        source: str,
+        found: Candidate | None | bool = True,
+    ) -> ShapeFit:
+        usable = self.usable_bytes
+        fits = total <= usable
+        fitting: int | None
+        fitting_bytes: int | None
+        if fits:
+            fitting, fitting_bytes = micro, total
+        elif isinstance(found, Candidate):
+            fitting, fitting_bytes = found.micro, found.total
+        else:
+            fitting = fitting_bytes = None
+        return ShapeFit(
+            describe_signature(signature), rows, micro, int(total), usable, fits, source, fitting,
+            fitting_bytes, signature,
+        )  # fmt: skip
