@@ -121,6 +121,9 @@ class Guard:
         profile: Any = True,
         catalog: Any = None,
         memory_history: bool = False,
+        max_seq_len: int | None = None,
+        worst_case_batch: Any = None,
+        check_shapes: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
@@ -143,6 +146,11 @@ class Guard:
             raise ConfigurationError(f"`guard(memory_history={memory_history!r})` must be True or False.")
         if precision != "auto":
             parse_precision(precision)  # an unknown name fails here, before anything else
+        from resource_guard.frontdoors.shape_guard import check_worst_case_args
+
+        check_worst_case_args("guard", max_seq_len, check_shapes)
+        self._worst = (max_seq_len, worst_case_batch, check_shapes)
+        self._shapes: Any = None  # the ShapeGuard, once planned
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self._sample_batch = sample_batch
         self._target = target_batch_size
@@ -197,7 +205,7 @@ class Guard:
     # ------------------------------------------------------------------------------------------------
     # set-up
 
-    def _setup(self, batch: Any) -> None:
+    def _setup(self, batch: Any, loader: Any = None) -> None:
         from resource_guard.planning.planner import plan
 
         target = self._target if self._target is not None else batch_size_of(batch)
@@ -234,6 +242,13 @@ class Guard:
             self.model.to(spec.param_dtype)
         if spec.loss_scaling:
             self._scaler = torch.amp.GradScaler(device.type)
+        if self._worst[2]:  # the shape guard; the worst case known before any step (it may split)
+            from resource_guard.frontdoors.shape_guard import start_shape_guard
+
+            self._shapes, notes = start_shape_guard(
+                self.model, self.optimizer, batch, loss_fn, made, *self._worst[:2], loader=loader
+            )
+            self.plan = dataclasses.replace(made, reasons=(*made.reasons, *notes))
         if self._monitor_on:
             self._start_monitor(batch)
 
@@ -281,7 +296,7 @@ class Guard:
         self._expect_steps(loader)
         for batch in loader:
             if self.plan is None:
-                self._setup(batch)
+                self._setup(batch, loader)
                 self._expect_steps(loader)
             if self._flops_per_sample is not None and self._monitor is not None:
                 # the monitor's step is one loader batch: MFU from the FLOPs of that many samples
@@ -291,7 +306,8 @@ class Guard:
             device = self.device
             assert device is not None and self.plan is not None
             moved = _to_device(batch, device, non_blocking)
-            for micro in split_batch(moved, self.plan.micro_batch_size):
+            rows = self._shapes.micro_batch_size(moved) if self._shapes else self.plan.micro_batch_size
+            for micro in split_batch(moved, rows):
                 self._current_micro = batch_size_of(micro) or 1
                 yield micro
                 self.micro_steps += 1
@@ -403,6 +419,8 @@ class Guard:
             "oom": is_oom(exc),
             "measured_peak_bytes": measured,
         }
+        if self._shapes is not None:
+            out["shapes"] = self._shapes.stats()
         if plan is not None:
             out["plan"] = plan.to_dict()
             out["estimated_peak_bytes"] = plan.fit.allocated_peak_bytes

@@ -189,6 +189,8 @@ class ShapeModel:
         plan: the :class:`~resource_guard.Plan` the run follows.
         checkpoint_applied: the plan's checkpointing is already switched on in ``model`` (the front
             doors apply it); traces then leave the model as it is.
+        traced_plan: ``plan.fit`` is the trace of ``sample_batch`` at the plan's micro-batch (False for
+            a plan whose figures are another rank's: then that shape is traced too).
         trace_context: entered around every trace (the Lightning callback detaches the Trainer).
 
     Attributes:
@@ -205,6 +207,7 @@ class ShapeModel:
         plan: Plan,
         *,
         checkpoint_applied: bool = False,
+        traced_plan: bool = True,
         trace_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.model, self.optimizer, self.loss_fn, self.plan = model, optimizer, loss_fn, plan
@@ -220,10 +223,11 @@ class ShapeModel:
         self.seen: dict[Signature, ShapeFit] = {}
         self._surfaces: dict[frozenset[Position], Surface] = {}
         self._others: list[Tracer] = []
+        self._learned: set[frozenset[Position]] = set()
         self._plan_traces = 0
         rows = batch_size_of(sample_batch) or self._micro
         micro = min(rows, self._micro)
-        if micro == self._micro:  # the plan's traced figure is this signature's
+        if traced_plan and micro == self._micro:  # the plan's traced figure is this signature's
             total = plan.fit.device_total_bytes
             self.seen[self._base] = self._fit_from(self._base, rows, micro, total, "plan")
 
@@ -339,13 +343,13 @@ class ShapeModel:
             return search_largest(tracer, divisors(micro), self._ckpt, self.plan.strategy)  # type: ignore[arg-type]
 
     def _note(self, positions: frozenset[Position], length: int, rows: int, cand: Candidate) -> None:
-        """Add a traced point; a second length along an axis makes the model learn it."""
+        """Add a traced point; the third length along an axis makes the model learn it (:meth:`learn`)."""
         surface = self._surface(positions)
         surface.add(rows, length, cand.total)
         lengths = {n for _, n in surface.points}
-        if len(lengths) == 2 and not surface.trusted and len(surface.points) < 4:
-            low, high = sorted(lengths)
-            self.learn(positions, (low, (low + high) // 2, high))
+        if len(lengths) >= 3 and not surface.trusted and positions not in self._learned:
+            self._learned.add(positions)  # once: a surface that stays untrusted is not polynomial here
+            self.learn(positions, tuple(sorted(lengths)))
 
     def _surface(self, positions: frozenset[Position]) -> Surface:
         """The model along ``positions``, seeded with the plan's own point when it has one."""
