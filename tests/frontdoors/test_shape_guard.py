@@ -8,9 +8,7 @@ effective batch, the loss weighting and the number of optimizer steps unchanged.
 from __future__ import annotations
 
 import copy
-import functools
 import json
-import logging
 from typing import Any
 
 import pytest
@@ -18,44 +16,7 @@ import torch
 
 from resource_guard import DoesNotFitError, guard
 from resource_guard.frontdoors.shape_guard import ShapeReport, worst_case
-from resource_guard.planning.planner import plan
-
-transformers = pytest.importorskip("transformers")
-
-VOCAB, ROWS, SHORT, LONG = 256, 8, 16, 513
-
-
-def tiny_gpt2() -> torch.nn.Module:
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=1024, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def tokens(rows: int, length: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
-    return {"input_ids": ids, "labels": ids.clone()}
-
-
-@functools.cache
-def peaks() -> tuple[int, int]:
-    """The planner's device totals of one 8×16 and one 8×513 step (on the CPU, no cap)."""
-    out = []
-    for length in (SHORT, LONG):
-        model = tiny_gpt2()
-        made = plan(model, torch.optim.AdamW, tokens(ROWS, length), device="cpu", precision="32-true",
-                    checkpointing=False)  # fmt: skip
-        assert made.micro_batch_size == ROWS
-        out.append(made.fit.device_total_bytes)
-    return out[0], out[1]
-
-
-def cap_between() -> int:
-    small, large = peaks()
-    return int((small + large) / 2 / 0.9)  # the usable share (10% headroom) lies between the two
+from shape_scenario import LONG, ROWS, SHORT, cap_between, peaks, tiny_gpt2, tokens
 
 
 def run(loader: list[Any], sgd: bool = False, **kwargs: Any) -> tuple[Any, list[int], torch.nn.Module]:
@@ -71,6 +32,7 @@ def run(loader: list[Any], sgd: bool = False, **kwargs: Any) -> tuple[Any, list[
     return g, rows, model
 
 
+@pytest.mark.slow  # real training steps at 8×513 (~10 s on 2 busy cores)
 def test_a_batch_too_long_for_the_plan_is_split_and_the_optimizer_steps_are_kept():
     loader = [tokens(ROWS, SHORT, s) for s in range(3)] + [tokens(ROWS, LONG, 3), tokens(ROWS, SHORT, 4)]
     g, rows, _ = run(loader, memory_limit=cap_between())
@@ -88,6 +50,7 @@ def test_a_batch_too_long_for_the_plan_is_split_and_the_optimizer_steps_are_kept
     assert long_fit.predicted_peak_bytes == peaks()[1], "the planner's own figure for 8×513"
 
 
+@pytest.mark.slow  # real training steps at 8×513 (~10 s on 2 busy cores)
 def test_a_split_batch_takes_the_same_step_as_the_whole_batch():
     """Loss weighting: micro-batches of the long batch accumulate the gradient of the whole batch's mean."""
     batch = tokens(ROWS, LONG, 7)

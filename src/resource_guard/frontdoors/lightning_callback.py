@@ -102,6 +102,9 @@ class ResourceGuard(Callback):
         monitor: bool = True,
         log_dir: str | os.PathLike[str] | None = None,
         memory_history: bool = False,
+        max_seq_len: int | None = None,
+        worst_case_batch: Any = None,
+        check_shapes: bool = True,
     ) -> None:
         def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
             return ConfigurationError(f"`ResourceGuard({name}={value!r})` must be {allowed}.")
@@ -143,6 +146,14 @@ class ResourceGuard(Callback):
             raise bad("profile", profile, "True, False or a ProfileWindow")
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise bad("log_dir", log_dir, "a directory path or None")
+        from resource_guard.frontdoors.shape_guard import check_worst_case_args
+
+        check_worst_case_args("ResourceGuard", max_seq_len, check_shapes)
+        self.max_seq_len, self.worst_case_batch = max_seq_len, worst_case_batch
+        self.check_shapes = check_shapes
+        self._shapes: Any = None  # the ShapeGuard of this fit
+        self._planned_on: Any = None  # the batch the plan was made on (the worst case when known)
+        self._worst_source: str | None = None
         self.target_batch_size = target_batch_size
         self.device = device
         self.headroom = float(headroom)
@@ -225,7 +236,7 @@ class ResourceGuard(Callback):
             return
         assert decisions is not None
         self._apply(trainer, pl_module, decisions, loader_batch_size)
-        notes = []
+        notes = ap.start_shapes(self, trainer, pl_module, decisions)
         if trainer.world_size > 1:
             notes.append(
                 f"agreed across {trainer.world_size} ranks: rank {source_rank}'s plan, the most "
@@ -253,6 +264,7 @@ class ResourceGuard(Callback):
             )
         world = trainer.world_size
         fixed = self._fixed
+        batch = self._planned_on = ap.worst_case_of(self, trainer, batch)
         if target is None:
             if loader_batch_size is None:
                 raise ConfigurationError(
@@ -363,6 +375,8 @@ class ResourceGuard(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._shapes is not None:  # before the batch runs: stop, on every rank, if it would not fit
+            self._shapes.stop_if_too_big(batch)
         if self._monitor is not None:
             self._monitor.batch_ready(batch)
 
