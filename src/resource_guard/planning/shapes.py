@@ -49,10 +49,11 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from resource_guard.estimate import DeviceFit, MemoryEstimate
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.planning.planner import Plan
 from resource_guard.planning.search import Candidate, Tracer, search_largest
-from resource_guard.planning.strategy import unit_param_bytes
+from resource_guard.planning.strategy import SHARDED, unit_param_bytes
 from resource_guard.planning.worst_case import (
     Position,
     Signature,
@@ -63,11 +64,10 @@ from resource_guard.planning.worst_case import (
 from resource_guard.step.batching import divisors
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of
 
-__all__ = ["EXACT_BYTES", "ShapeFit", "ShapeModel", "Surface"]
+__all__ = ["EXACT_BYTES", "ShapeFit", "ShapeModel", "Surface", "profile_of"]
 
 EXACT_BYTES = 4096
 """A fit whose points all lie within this many bytes of it is exact (tensor bytes are integers)."""
-_TRUST_SHARE = 0.01  # a fit off by more than 1% of its largest point is not trusted at all
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,16 @@ class Surface:
     """A step's device total over (rows, length): least squares on traced points, trusted when exact.
 
     Basis: ``rows^i · length^j`` for ``i ≤ 1``, ``j ≤ 2``, each capped by the distinct values traced
-    less one; a fit needs one point more than its coefficients. ``margin_bytes`` is twice the largest
-    residual (0 on an exact fit).
+    less one; a fit needs one point more than its coefficients, and is trusted only when every point
+    lies on it within :data:`EXACT_BYTES`.
+
+    Piecewise: a step's peak is the highest point of its memory timeline, and which operator holds it
+    changes with the shape (the vocabulary's log-softmax at short lengths, attention's ``s²`` scores
+    at long ones). Given each point's ``profile`` (the live bytes at every point of its timeline, the
+    same operators in the same order for every shape), every timeline point gets its own polynomial
+    and the peak is their maximum, so a max of polynomials is fitted exactly; the device's own
+    addition (total less the timeline's peak: allocator, a later micro-step's gradients) is one
+    polynomial more.
 
     Example:
         >>> s = Surface()
@@ -137,12 +145,16 @@ class Surface:
         self.points: dict[tuple[int, int], int] = {}
         self.trusted = False
         self.margin_bytes = 0
+        self._profiles: dict[tuple[int, int], tuple[int, ...] | None] = {}
         self._terms: list[tuple[int, int]] = []
         self._coef: np.ndarray | None = None
+        self._piecewise = False
         self._scale = (1.0, 1.0)
 
-    def add(self, rows: int, length: int, total: int) -> None:
+    def add(self, rows: int, length: int, total: int, profile: tuple[int, ...] | None = None) -> None:
+        """Add a traced point: its device total and, for a piecewise fit, its timeline ``profile``."""
         self.points[(rows, length)] = int(total)
+        self._profiles[(rows, length)] = profile
         self._refit()
 
     @property
@@ -163,21 +175,52 @@ class Surface:
         self._scale = (float(rows[-1]), float(lengths[-1]))
         keys = list(self.points)
         a = np.array([self._row(r, n) for r, n in keys])
-        y = np.array([float(self.points[k]) for k in keys])
+        totals = np.array([float(self.points[k]) for k in keys])
+        profiles = [self._profiles[k] for k in keys]
+        sizes = {len(p) if p else 0 for p in profiles}
+        self._piecewise = len(sizes) == 1 and 0 not in sizes
+        if self._piecewise:
+            timeline = np.array(profiles, dtype=np.float64)
+            y = np.column_stack([timeline, totals - timeline.max(axis=1)])
+        else:
+            y = totals[:, None]
         coef, *_ = np.linalg.lstsq(a, y, rcond=None)
         worst = float(np.max(np.abs(a @ coef - y)))
         self._coef = coef
-        self.margin_bytes = 0 if worst <= EXACT_BYTES else int(math.ceil(2 * worst))
-        self.trusted = worst <= max(EXACT_BYTES, _TRUST_SHARE * float(np.max(y)))
+        self.trusted = worst <= EXACT_BYTES
+        self.margin_bytes = int(math.ceil(2 * worst)) + 1
 
-    def _row(self, rows: float, length: float) -> list[float]:
+    def _row(self, rows: float, length: float) -> np.ndarray:
         r, n = rows / self._scale[0], length / self._scale[1]
-        return [r**i * n**j for i, j in self._terms]
+        return np.array([r**i * n**j for i, j in self._terms])
 
     def predict(self, rows: int, length: int) -> int:
         """The fitted total, rounded up, plus the margin (requires :attr:`trusted`)."""
         assert self._coef is not None
-        return int(math.ceil(float(np.dot(self._row(rows, length), self._coef)))) + self.margin_bytes
+        values = self._row(rows, length) @ self._coef
+        value = float(values[:-1].max() + values[-1]) if self._piecewise else float(values[0])
+        return int(math.ceil(value)) + self.margin_bytes
+
+
+def profile_of(estimate: MemoryEstimate, fit: DeviceFit) -> tuple[int, ...] | None:
+    """The live bytes at each point of an estimate's timeline, as its ``fit`` counts them.
+
+    For a micro-step that starts with the gradients allocated, the forward and backward points carry
+    every gradient (as :func:`~resource_guard.estimate.later_step.later_peak_from_timeline` counts).
+    """
+    from resource_guard.estimate.tracer import CATEGORIES
+
+    timeline = estimate.timeline
+    if not timeline:
+        return None
+    if "a later step" not in " ".join(fit.notes):
+        return tuple(sum(sizes) for _, sizes in timeline)
+    g = CATEGORIES.index("gradients")
+    grads = max(sizes[g] for _, sizes in timeline)
+    return tuple(
+        sum(sizes) - sizes[g] + grads if phase in ("forward", "backward") else sum(sizes)
+        for phase, sizes in timeline
+    )
 
 
 class ShapeModel:
@@ -221,9 +264,9 @@ class ShapeModel:
         self._units = unit_param_bytes(model, plan.precision)
         self._tracers: dict[tuple[frozenset[Position], int], Tracer] = {}
         self.seen: dict[Signature, ShapeFit] = {}
-        self._surfaces: dict[frozenset[Position], Surface] = {}
+        self._surfaces: dict[tuple[frozenset[Position], bool], Surface] = {}
         self._others: list[Tracer] = []
-        self._learned: set[frozenset[Position]] = set()
+        self._learned: set[tuple[frozenset[Position], bool]] = set()
         self._plan_traces = 0
         rows = batch_size_of(sample_batch) or self._micro
         micro = min(rows, self._micro)
@@ -250,7 +293,7 @@ class ShapeModel:
 
     def predict(self, rows: int, length: int, positions: frozenset[Position]) -> int | None:
         """The model's upper bound of the device total at ``rows`` × ``length``; None if it cannot vouch."""
-        surface = self._surfaces.get(positions)
+        surface = self._surfaces.get((positions, self._kept(rows)))
         if surface is None or not surface.trusted:
             return None
         r_lo, r_hi, n_lo, n_hi = surface.box
@@ -258,17 +301,33 @@ class ShapeModel:
             return None
         return surface.predict(max(rows, r_lo), max(length, n_lo))
 
-    def learn(self, positions: frozenset[Position], lengths: tuple[int, ...]) -> Surface:
-        """Trace the design points along ``positions`` (rows ``{m, m/2}`` × ``lengths`` and one check)."""
-        surface = self._surface(positions)
-        row_values = sorted({self._micro, max(1, self._micro // 2)})
-        for length in sorted(set(lengths)):
-            for rows in row_values:
-                self._point(positions, length, rows)
+    def learn(self, positions: frozenset[Position], lengths: tuple[int, ...], kept: bool = False) -> Surface:
+        """Trace the design points along ``positions``: ``lengths`` × two row counts, and one check.
+
+        ``kept``: the regime of micro-steps that start with the gradients allocated (accumulation);
+        without accumulation only the plan's micro-batch ``m`` runs in the other regime, so its rows
+        are ``{m}``; in the accumulating regime ``{m, m/2}`` (or ``{m/2, m/4}`` below a plan that
+        does not accumulate).
+        """
+        surface = self._surface(positions, kept)
+        m = self._micro
+        if not kept:
+            row_values = [m]
+        elif m < self._per_rank:
+            row_values = sorted({m, max(1, m // 2)})
+        else:
+            row_values = sorted({max(1, m // 2), max(1, m // 4)})
         n = sorted(set(lengths))
+        for length in n:
+            for rows in row_values:
+                self._point(positions, length, rows, kept)
         if len(n) >= 2 and not surface.trusted:  # one point more than the coefficients
-            self._point(positions, (n[0] + n[1]) // 2 or n[0], row_values[-1])
+            self._point(positions, (n[0] + n[1]) // 2 or n[0], row_values[-1], kept)
         return surface
+
+    def _kept(self, rows: int) -> bool:
+        """Whether a micro-step of ``rows`` starts with the gradients allocated, as the planner fits it."""
+        return rows < self._per_rank and self.plan.strategy not in SHARDED
 
     # -- internals ---------------------------------------------------------------------------------
     def _axis(self, signature: Signature) -> tuple[int, frozenset[Position], int] | None:
@@ -302,8 +361,9 @@ class ShapeModel:
             _, positions, length = axis
             predicted = self.predict(micro, length, positions) if positions else None
             if predicted is not None:
-                margin = self._surfaces[positions].margin_bytes
-                r_lo, _, n_lo, _ = self._surfaces[positions].box
+                surface = self._surfaces[(positions, self._kept(micro))]
+                margin = surface.margin_bytes
+                r_lo, _, n_lo, _ = surface.box
                 source = "bound" if micro < r_lo or length < n_lo else "model"
                 if predicted <= self.usable_bytes:
                     return self._fit_from(signature, rows, micro, predicted, source)
@@ -344,27 +404,31 @@ class ShapeModel:
 
     def _note(self, positions: frozenset[Position], length: int, rows: int, cand: Candidate) -> None:
         """Add a traced point; the third length along an axis makes the model learn it (:meth:`learn`)."""
-        surface = self._surface(positions)
-        surface.add(rows, length, cand.total)
+        kept = self._kept(rows)
+        surface = self._surface(positions, kept)
+        surface.add(rows, length, cand.total, profile_of(cand.estimate, cand.fit))
         lengths = {n for _, n in surface.points}
-        if len(lengths) >= 3 and not surface.trusted and positions not in self._learned:
-            self._learned.add(positions)  # once: a surface that stays untrusted is not polynomial here
-            self.learn(positions, tuple(sorted(lengths)))
+        key = (positions, kept)
+        if len(lengths) >= 3 and not surface.trusted and key not in self._learned:
+            self._learned.add(key)  # once: a surface that stays untrusted is not polynomial here
+            self.learn(positions, tuple(sorted(lengths)), kept)
 
-    def _surface(self, positions: frozenset[Position]) -> Surface:
-        """The model along ``positions``, seeded with the plan's own point when it has one."""
-        surface = self._surfaces.get(positions)
+    def _surface(self, positions: frozenset[Position], kept: bool) -> Surface:
+        """The model along ``positions`` in one regime, seeded with the plan's point when it has one."""
+        surface = self._surfaces.get((positions, kept))
         if surface is None:
-            surface = self._surfaces[positions] = Surface()
+            surface = self._surfaces[(positions, kept)] = Surface()
             index, dim = next(iter(positions))
-            if self.seen.get(self._base) is not None:
-                surface.add(self._micro, self._base[index][0][dim], self.plan.fit.device_total_bytes)
+            if self.seen.get(self._base) is not None and self._kept(self._micro) == kept:
+                fit, length = self.plan.fit, self._base[index][0][dim]
+                surface.add(self._micro, length, fit.device_total_bytes, profile_of(self.plan.estimate, fit))
         return surface
 
-    def _point(self, positions: frozenset[Position], length: int, rows: int) -> None:
-        surface = self._surface(positions)
+    def _point(self, positions: frozenset[Position], length: int, rows: int, kept: bool) -> None:
+        surface = self._surface(positions, kept)
         if (rows, length) not in surface.points:
-            surface.add(rows, length, self._evaluate(self._tracer(positions, length), rows).total)
+            cand = self._evaluate(self._tracer(positions, length), rows)
+            surface.add(rows, length, cand.total, profile_of(cand.estimate, cand.fit))
 
     def _tracer(self, positions: frozenset[Position], length: int, batch: Any = None) -> Tracer:
         key = (positions, length)
