@@ -33,9 +33,9 @@ def run(loader: list[Any], sgd: bool = False, **kwargs: Any) -> tuple[Any, list[
 
 
 @pytest.mark.slow  # real training steps at 8×513 (~10 s on 2 busy cores)
-def test_a_batch_too_long_for_the_plan_is_split_and_the_optimizer_steps_are_kept():
+def test_a_batch_too_long_for_the_plan_is_split_and_the_optimizer_steps_are_kept(tmp_path):
     loader = [tokens(ROWS, SHORT, s) for s in range(3)] + [tokens(ROWS, LONG, 3), tokens(ROWS, SHORT, 4)]
-    g, rows, _ = run(loader, memory_limit=cap_between())
+    g, rows, _ = run(loader, memory_limit=cap_between(), monitor=True, profile=False, log_dir=tmp_path)
     assert g.plan.micro_batch_size == ROWS and g.plan.accumulation_steps == 1, "planned on the first batch"
     assert g.optimizer_steps == 5, "one optimizer step per loader batch, as without the guard"
     split = rows[3:-1]
@@ -48,6 +48,14 @@ def test_a_batch_too_long_for_the_plan_is_split_and_the_optimizer_steps_are_kept
     assert long_fit.fitting_micro_batch_size == max(split)
     assert long_fit.fitting_peak_bytes <= long_fit.usable_bytes < long_fit.predicted_peak_bytes
     assert long_fit.predicted_peak_bytes == peaks()[1], "the planner's own figure for 8×513"
+    # the report: report.json, the markdown TensorBoard shows, guard.json
+    report = json.loads((tmp_path / "report.json").read_text())
+    finding = next(f for f in report["findings"] if f["id"] == "shapes")
+    assert finding["severity"] == "info" and "1 batch(es) too big" in finding["title"]
+    assert finding["evidence"]["splits"] == 1 and finding["evidence"]["shapes_seen"] == 2
+    assert report["summary"]["shapes"]["split_shapes"] == {long_fit.shape: max(split)}
+    assert "too big for the plan" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "guard.json").read_text())["shapes"]["splits"] == 1
 
 
 @pytest.mark.slow  # real training steps at 8×513 (~10 s on 2 busy cores)

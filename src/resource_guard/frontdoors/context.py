@@ -268,6 +268,7 @@ class Guard:
                 precision=plan.precision,
                 memory_history=self._history,
             )
+            self._monitor.shape_stats = self._shapes.stats if self._shapes is not None else None
             self._monitor.start()
         except ConfigurationError:
             raise

@@ -370,6 +370,7 @@ class ResourceGuard(Callback):
             ),
         )
         self._monitor.total_steps = _total_batches(trainer)
+        self._monitor.shape_stats = self._shapes.stats if self._shapes is not None else None
         self._monitor.start()
 
     def on_train_batch_start(

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import tempfile
@@ -85,7 +86,12 @@ class RunMonitor(MonitorOutputs):
         summary: print the one-line summary at the end (rank zero).
         memory_history: on a CUDA run, record the allocator's history and dump it into
             ``memory_snapshot.pickle`` when the run ends with an OOM (see :mod:`resource_guard.observe.oom`).
+
+    ``shape_stats``: set by a front door to a callable returning its shape guard's counts (shapes
+    seen, splits, stops); read once, at close, into :attr:`RunStats.shapes`.
     """
+
+    shape_stats: Any = None
 
     def __init__(
         self,
@@ -333,7 +339,7 @@ class RunMonitor(MonitorOutputs):
 
     # -- the end of the run ----------------------------------------------------------------------
     def _run_stats(self, profile: ProfileSummary | None) -> RunStats:
-        return run_stats(
+        stats = run_stats(
             self._intervals,
             device=self.device,
             cuda=self._cuda,
@@ -350,6 +356,9 @@ class RunMonitor(MonitorOutputs):
             notes=tuple(self._notes),
             oom=None if self._oom is None else self._oom.to_dict(),
         )
+        if self.shape_stats is None:  # the front doors' shape guard, when on
+            return stats
+        return dataclasses.replace(stats, shapes=self._guard("shape stats", self.shape_stats))
 
     def _capacity(self) -> int | None:
         if self.capacity_bytes is not None:

@@ -25,6 +25,7 @@ FINDING_IDS = (
     "host-to-device",
     "alignment",
     "estimate-drift",
+    "shapes",
     "healthy",
 )
 
@@ -162,6 +163,7 @@ class RunStats:
     profile: ProfileSummary | None = None
     notes: tuple[str, ...] = ()
     oom: Mapping[str, Any] | None = None
+    shapes: Mapping[str, Any] | None = None  # the front doors' shape guard: shapes seen, splits, stops
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -169,6 +171,7 @@ class RunStats:
         out["profile"] = None if self.profile is None else self.profile.to_dict()
         out["notes"] = list(self.notes)
         out["oom"] = None if self.oom is None else dict(self.oom)
+        out["shapes"] = None if self.shapes is None else dict(self.shapes)
         return out
 
     @classmethod
