@@ -93,6 +93,12 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device
 class Guard:
     """The context manager returned by :func:`guard`; see the module docstring.
 
+    Each batch's shape is checked against the plan before it runs (``check_shapes=True``): a batch too
+    big for the plan runs as smaller micro-batches that fit, with the effective batch, the loss
+    weighting and the optimizer steps unchanged (:mod:`~resource_guard.frontdoors.shape_guard`). The
+    run's largest batch, declared (``max_seq_len=``, ``worst_case_batch=``) or declared by the loader,
+    is traced before any step; the plan's reasons say what it needs.
+
     Attributes:
         plan: the :class:`~resource_guard.Plan` once made (``None`` before the first batch when
             no ``sample_batch`` was given).

@@ -75,6 +75,11 @@ class ResourceGuard(Callback):
         memory_history: on a CUDA run, record the allocator's history and, when the run ends with an
             out-of-memory error, dump it into ``memory_snapshot.pickle`` for https://pytorch.org/memory_viz
             (the OOM's figures go into ``oom.json`` and the report either way).
+        max_seq_len / worst_case_batch: the run's largest batch (a length along the sample's sequence
+            axis, or a batch): the plan is made for it. Default: read from the train loader when it
+            declares it (:func:`~resource_guard.planning.worst_case.worst_case_length`).
+        check_shapes: check each batch's shape before it runs and stop with ``DoesNotFitError`` before
+            one that would not fit (:mod:`~resource_guard.frontdoors.shape_guard`); ``False``: off.
 
     Attributes:
         plan: the :class:`~resource_guard.Plan` this rank made (``None`` before ``fit`` and on a

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.planning.shapes import ShapeFit, ShapeModel
@@ -88,8 +89,6 @@ class ShapeReport:
 
 def _group() -> tuple[int, int] | None:
     """``(rank, world size)`` of an initialised process group of more than one rank, else None."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.get_rank(), dist.get_world_size()
     return None
@@ -99,8 +98,6 @@ def agree_min(value: int) -> int:
     """The smallest ``value`` over the ranks (one all-reduce of one int64); ``value`` without a group."""
     if _group() is None:
         return value
-    import torch.distributed as dist
-
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     flag = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)

@@ -58,16 +58,17 @@ def signature_of(batch: Any) -> Signature:
     Plain tensors, tuples/lists of tensors and dicts of tensors take a fast path (a few µs); other
     nestings go through :func:`~resource_guard.step.training.iter_tensors`.
     """
-    if isinstance(batch, torch.Tensor):
-        return ((batch.shape, batch.dtype),)
     kind = type(batch)
-    if kind is tuple or kind is list:
-        if all(type(t) is torch.Tensor for t in batch):
-            return tuple((t.shape, t.dtype) for t in batch)
-    elif kind is dict:
-        values = batch.values()
-        if all(type(t) is torch.Tensor for t in values):
-            return tuple((t.shape, t.dtype) for t in values)
+    if kind is torch.Tensor:
+        return ((batch.shape, batch.dtype),)
+    if kind is dict or kind is tuple or kind is list:  # the hot path: one loop, no generators
+        found = []
+        for t in batch.values() if kind is dict else batch:
+            if type(t) is not torch.Tensor:
+                break
+            found.append((t.shape, t.dtype))
+        else:
+            return tuple(found)
     return tuple((t.shape, t.dtype) for t in iter_tensors(batch))
 
 
