@@ -121,6 +121,8 @@ class ShapeGuard:
         self.batches = 0
         self._split_shapes: dict[str, int] = {}
         self._broken = False
+        # the process group exists before a run starts (DDP wraps the model in it): asked once here
+        self._distributed = _group() is not None
 
     def micro_batch_size(self, batch: Any) -> int:
         """Rows per micro-batch for ``batch``: the plan's, or the largest that fits its shape.
@@ -134,7 +136,7 @@ class ShapeGuard:
             rows = self.model.plan.micro_batch_size
         else:
             rows = fit.micro_batch_size if fit.fits else (fit.fitting_micro_batch_size or 0)
-        agreed = agree_min(rows)
+        agreed = agree_min(rows) if self._distributed else rows
         if agreed < 1:
             self.stops += 1
             raise self._error(fit, rows < 1)
@@ -152,7 +154,7 @@ class ShapeGuard:
         self.batches += 1
         fit = self._check(batch)
         mine = fit is not None and not fit.fits
-        if agree_min(int(not mine)) == 0:
+        if (agree_min(int(not mine)) if self._distributed else int(not mine)) == 0:
             self.stops += 1
             raise self._error(fit, mine)
 
@@ -204,7 +206,7 @@ class ShapeGuard:
             )
         report = self.report(fit)
         p = self.model.plan
-        where = f" on rank {report.rank}" if _group() is not None else ""
+        where = f" on rank {report.rank}" if self._distributed else ""
         ckpt = "on" if p.checkpointing else "off"
         lines = [
             f"batch shape {fit.shape}{where} would need {fit.predicted_peak_bytes / _MiB:,.1f} MiB per "

@@ -50,6 +50,7 @@ import numpy as np
 from torch import nn
 
 from resource_guard.estimate import DeviceFit, MemoryEstimate
+from resource_guard.estimate.later_step import later_step
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.planning.planner import Plan
 from resource_guard.planning.search import Candidate, Tracer, search_largest
@@ -64,10 +65,12 @@ from resource_guard.planning.worst_case import (
 from resource_guard.step.batching import divisors
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of
 
-__all__ = ["EXACT_BYTES", "ShapeFit", "ShapeModel", "Surface", "profile_of"]
+__all__ = ["EXACT_BYTES", "MAX_PROFILE", "ShapeFit", "ShapeModel", "Surface", "profile_of"]
 
 EXACT_BYTES = 4096
 """A fit whose points all lie within this many bytes of it is exact (tensor bytes are integers)."""
+MAX_PROFILE = 200_000
+"""Allocation events kept per traced point for the piecewise fit (more: the timeline's points)."""
 
 
 @dataclass(frozen=True)
@@ -123,13 +126,13 @@ class Surface:
     less one; a fit needs one point more than its coefficients, and is trusted only when every point
     lies on it within :data:`EXACT_BYTES`.
 
-    Piecewise: a step's peak is the highest point of its memory timeline, and which operator holds it
+    Piecewise: a step's peak is the highest point of its memory curve, and which operator holds it
     changes with the shape (the vocabulary's log-softmax at short lengths, attention's ``s²`` scores
-    at long ones). Given each point's ``profile`` (the live bytes at every point of its timeline, the
-    same operators in the same order for every shape), every timeline point gets its own polynomial
-    and the peak is their maximum, so a max of polynomials is fitted exactly; the device's own
-    addition (total less the timeline's peak: allocator, a later micro-step's gradients) is one
-    polynomial more.
+    at long ones). Given each point's ``profile`` (:func:`profile_of`: the live bytes after every
+    allocation event, the same operators in the same order for every shape), every entry gets its own
+    polynomial and the peak is their maximum, so a max of polynomials is fitted exactly; the device's
+    own addition (total less the profile's peak: allocator, extrapolated blocks) is one polynomial
+    more.
 
     Example:
         >>> s = Surface()
@@ -203,24 +206,26 @@ class Surface:
 
 
 def profile_of(estimate: MemoryEstimate, fit: DeviceFit) -> tuple[int, ...] | None:
-    """The live bytes at each point of an estimate's timeline, as its ``fit`` counts them.
+    """The live bytes after each allocation event of an estimate's step, as its ``fit`` counts them.
 
-    For a micro-step that starts with the gradients allocated, the forward and backward points carry
-    every gradient (as :func:`~resource_guard.estimate.later_step.later_peak_from_timeline` counts).
+    Events come in the same order for every shape of one model (the same operators run), so each
+    entry is one polynomial in the shape and the step's peak is their maximum. For a micro-step that
+    starts with the gradients allocated (``fit`` of a later step), the events are rewritten as
+    :func:`~resource_guard.estimate.later_step.later_step` does for ``for_device``. Without events
+    (or more than :data:`MAX_PROFILE` of them), the timeline's points.
     """
-    from resource_guard.estimate.tracer import CATEGORIES
-
+    events, initial = list(estimate.allocations), list(estimate.initial_allocations)
+    later = "a later step" in " ".join(fit.notes)
+    if events and len(events) <= MAX_PROFILE:
+        if later:
+            grads = getattr(estimate, "gradient_allocations", ())
+            initial, events = later_step(events, initial, grads)
+        running = np.cumsum(np.fromiter((b for _, b in events), dtype=np.int64, count=len(events)))
+        return tuple((running + sum(b for _, b in initial)).tolist())
     timeline = estimate.timeline
-    if not timeline:
+    if not timeline or later:
         return None
-    if "a later step" not in " ".join(fit.notes):
-        return tuple(sum(sizes) for _, sizes in timeline)
-    g = CATEGORIES.index("gradients")
-    grads = max(sizes[g] for _, sizes in timeline)
-    return tuple(
-        sum(sizes) - sizes[g] + grads if phase in ("forward", "backward") else sum(sizes)
-        for phase, sizes in timeline
-    )
+    return tuple(sum(sizes) for _, sizes in timeline)
 
 
 class ShapeModel:
