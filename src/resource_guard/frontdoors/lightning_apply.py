@@ -23,7 +23,12 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import DataLoader
 
-from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardError
+from resource_guard.errors import (
+    ConfigurationError,
+    DoesNotFitError,
+    ResourceGuardError,
+    ResourceGuardWarning,
+)
 from resource_guard.step.precision import PRECISIONS, parse_precision
 from resource_guard.step.training import batch_size_of
 
@@ -478,25 +483,38 @@ def worst_case_of(callback: Any, trainer: pl.Trainer, batch: Any) -> Any:
 def start_shapes(
     callback: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, d: Decisions
 ) -> list[str]:
-    """Start the callback's shape guard over the applied decisions; the lines for the plan's log."""
-    callback._shapes = None
-    made, batch = callback.plan, callback._planned_on
-    if not callback.check_shapes or made is None or batch is None:
-        return []
-    from resource_guard.frontdoors.shape_guard import start_shape_guard
+    """Start the callback's shape guard over the applied decisions; the lines for the plan's log.
 
-    mine = (made.micro_batch_size, made.accumulation_steps, made.precision, made.checkpointing)
-    view = dataclasses.replace(
-        made, micro_batch_size=d.micro_batch_size, accumulation_steps=d.accumulation_steps,
-        precision=d.precision, checkpointing=d.checkpointing, checkpoint_every=int(d.checkpointing),
-    )  # fmt: skip
-    agreed = (d.micro_batch_size, d.accumulation_steps, d.precision, d.checkpointing)
-    callback._shapes, _ = start_shape_guard(
-        pl_module, trainer.optimizers[0], batch, training_step_loss, view, traced_plan=mine == agreed,
-        trace_context=lambda: detached_trainer(pl_module),
-    )  # fmt: skip
+    A failure to start it warns and leaves it off, on every rank alike (one collective), so that no
+    rank waits in a per-batch agreement the others do not join.
+    """
+    from resource_guard.frontdoors.shape_guard import agree_min, start_shape_guard
+    from resource_guard.planning.planner import Plan
     from resource_guard.planning.worst_case import describe_signature, signature_of
 
+    callback._shapes = None
+    made, batch = callback.plan, callback._planned_on
+    if not callback.check_shapes or not isinstance(made, Plan) or batch is None:
+        return []  # off, or no plan made here (a resumed run re-applies stored decisions)
+    try:
+        mine = (made.micro_batch_size, made.accumulation_steps, made.precision, made.checkpointing)
+        view = dataclasses.replace(
+            made, micro_batch_size=d.micro_batch_size, accumulation_steps=d.accumulation_steps,
+            precision=d.precision, checkpointing=d.checkpointing, checkpoint_every=int(d.checkpointing),
+        )  # fmt: skip
+        agreed = (d.micro_batch_size, d.accumulation_steps, d.precision, d.checkpointing)
+        shapes, _ = start_shape_guard(
+            pl_module, trainer.optimizers[0], batch, training_step_loss, view, traced_plan=mine == agreed,
+            trace_context=lambda: detached_trainer(pl_module),
+        )  # fmt: skip
+    except Exception as error:  # our check never stops the run
+        warnings.warn(f"ResourceGuard: the shape check is off: {error!r}", ResourceGuardWarning, stacklevel=3)
+        shapes = None
+    if trainer.world_size > 1 and agree_min(int(shapes is not None)) == 0:
+        return []
+    callback._shapes = shapes
+    if shapes is None:
+        return []
     notes = ["shape guard: each batch is checked before it runs; one that would not fit stops the run"]
     if callback._worst_source is not None:
         shape = describe_signature(signature_of(batch))

@@ -10,17 +10,21 @@ How a signature (:func:`~resource_guard.planning.worst_case.signature_of`) is an
 
 1. **Cache**: a signature seen before costs one dict lookup.
 2. **Model**: the signature differs from the plan's sample batch in its rows and along one axis of
-   dimensions that vary together (a sequence length, an image side). Along that axis the step's
-   peak is a polynomial: linear in the rows, at most quadratic in the length (attention's ``s²`` on
-   the math path, linear elsewhere). The model is fitted by least squares on traced points (rows
-   ``{m, m/2}`` × three lengths), checked on one point more than it has coefficients, and trusted
-   only inside the box of lengths and rows it traced, only while every point lies on it (within
-   :data:`EXACT_BYTES`; allocator segments on a GPU are not polynomial, and widen the margin it
-   adds). Below the box the figure at its lower edge is used (the step's memory does not shrink as a
-   batch grows). A prediction within the margin of the limit is traced instead.
-3. **Trace**: anything else (outside the box, two axes varying at once, a new structure): the batch
-   itself is traced, exactly; a new length is added to the model, which extends its box when the
-   point agrees with the fit (verified by that extra point).
+   dimensions that vary together (a sequence length, an image side). Along that axis every point of
+   the step's memory curve is a polynomial, linear in the rows and at most quadratic in the length
+   (attention's ``s²`` on the math path, linear elsewhere), and the peak is their maximum: piecewise
+   (:class:`Surface`). Two regimes are fitted apart, as the planner fits them: the plan's own
+   micro-batch, and micro-steps that start with the gradients allocated (fewer rows, accumulation).
+   Each is learnt when its third length is seen (the plan's and two more): traced at those lengths
+   (rows ``{m}``, or two row counts in the accumulating regime) and at one point more than the fit
+   has coefficients. It is trusted only while every traced point lies on it within
+   :data:`EXACT_BYTES` (exact), and only inside the box of rows and lengths it traced; below the box
+   the figure at its lower edge is used (a step's memory does not shrink as its batch grows). The
+   figure it gives is the fit rounded up plus twice its largest residual (a few bytes).
+3. **Trace**: anything else (outside the box, two axes varying apart, a new structure, a regime
+   whose fit is not exact: allocator segments on a GPU target, for one): the batch itself is traced,
+   exactly; a new length is added to the model, which extends its box when the point agrees with the
+   fit (verified by that extra point).
 
 A micro-batch that does not fit is searched down as the planner searches (:func:`search_largest`
 over the divisors of its rows), so the largest micro-batch of that shape that fits is a traced fit.
@@ -140,8 +144,9 @@ class Surface:
         ...     for n in (8, 16, 32):
         ...         s.add(r, n, 1000 + r * (3 * n + n * n))
         >>> s.add(4, 24, 1000 + 4 * (3 * 24 + 24 * 24))
-        >>> s.trusted, s.predict(3, 20)
-        (True, 2440)
+        >>> exact = 1000 + 3 * (3 * 20 + 20 * 20)  # a shape it did not trace
+        >>> s.trusted, 0 <= s.predict(3, 20) - exact <= s.margin_bytes + 1  # rounded up
+        (True, True)
     """
 
     def __init__(self) -> None:
