@@ -12,7 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from resource_guard.planning.planner import plan
-from resource_guard.planning.shapes import ShapeModel, Surface
+from resource_guard.planning.shapes import ShapeModel
+from resource_guard.planning.surface import Surface
 from resource_guard.planning.worst_case import (
     describe_signature,
     resize_along,

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.observe.oom import is_oom
 from resource_guard.step.batching import split_batch
 from resource_guard.step.precision import autocast_context, parse_precision
@@ -251,9 +251,15 @@ class Guard:
         if self._worst[2]:  # the shape guard; the worst case known before any step (it may split)
             from resource_guard.frontdoors.shape_guard import start_shape_guard
 
-            self._shapes, notes = start_shape_guard(
-                self.model, self.optimizer, batch, loss_fn, made, *self._worst[:2], loader=loader
-            )
+            try:
+                self._shapes, notes = start_shape_guard(
+                    self.model, self.optimizer, batch, loss_fn, made, *self._worst[:2], loader=loader
+                )
+            except DoesNotFitError:
+                raise
+            except Exception as error:  # our check never stops the run
+                warnings.warn(f"resource_guard: the shape check is off: {error!r}", ResourceGuardWarning, 2)
+                notes = []
             self.plan = dataclasses.replace(made, reasons=(*made.reasons, *notes))
         if self._monitor_on:
             self._start_monitor(batch)

@@ -37,6 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from resource_guard.devices import parse_memory_limit
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.frontdoors import lightning_apply as ap
+from resource_guard.frontdoors import lightning_shapes
 from resource_guard.observe.profiling import ProfileWindow
 from resource_guard.step.precision import PRECISIONS, parse_precision
 
@@ -241,7 +242,7 @@ class ResourceGuard(Callback):
             return
         assert decisions is not None
         self._apply(trainer, pl_module, decisions, loader_batch_size)
-        notes = ap.start_shapes(self, trainer, pl_module, decisions)
+        notes = lightning_shapes.start_shapes(self, trainer, pl_module, decisions)
         if trainer.world_size > 1:
             notes.append(
                 f"agreed across {trainer.world_size} ranks: rank {source_rank}'s plan, the most "
@@ -269,7 +270,7 @@ class ResourceGuard(Callback):
             )
         world = trainer.world_size
         fixed = self._fixed
-        batch = self._planned_on = ap.worst_case_of(self, trainer, batch)
+        batch = self._planned_on = lightning_shapes.worst_case_of(self, trainer, batch)
         if target is None:
             if loader_batch_size is None:
                 raise ConfigurationError(

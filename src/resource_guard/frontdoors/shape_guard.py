@@ -314,7 +314,9 @@ def start_shape_guard(
     if worst is None:
         return shapes, notes
     big, source = worst
-    fit = model_.check(big)
+    fit = shapes._check(big)
+    if fit is None:  # the check failed (warned): the run goes on with the plan's sizes
+        return shapes, notes
     head = f"worst case {fit.shape} ({source}): {fit.predicted_peak_bytes / _MiB:,.1f} MiB"
     if fit.fits:
         notes.append(f"{head} at micro-batch {fit.micro_batch_size}: fits")

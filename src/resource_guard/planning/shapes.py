@@ -12,15 +12,17 @@ How a signature (:func:`~resource_guard.planning.worst_case.signature_of`) is an
 2. **Model**: the signature differs from the plan's sample batch in its rows and along one axis of
    dimensions that vary together (a sequence length, an image side). Along that axis every point of
    the step's memory curve is a polynomial, linear in the rows and at most quadratic in the length
-   (attention's ``s²`` on the math path, linear elsewhere), and the peak is their maximum: piecewise
-   (:class:`Surface`). Two regimes are fitted apart, as the planner fits them: the plan's own
-   micro-batch, and micro-steps that start with the gradients allocated (fewer rows, accumulation).
+   (attention's ``s²`` on the math path, linear elsewhere), and the peak is their maximum:
+   piecewise (:class:`~resource_guard.planning.surface.Surface`). Two regimes are fitted apart, as
+   the planner fits them: the plan's own micro-batch, and micro-steps that start with the gradients
+   allocated (fewer rows, accumulation).
    Each is learnt when its third length is seen (the plan's and two more): traced at those lengths
    (rows ``{m}``, or two row counts in the accumulating regime) and at one point more than the fit
    has coefficients. It is trusted only while every traced point lies on it within
-   :data:`EXACT_BYTES` (exact), and only inside the box of rows and lengths it traced; below the box
-   the figure at its lower edge is used (a step's memory does not shrink as its batch grows). The
-   figure it gives is the fit rounded up plus twice its largest residual (a few bytes).
+   :data:`~resource_guard.planning.surface.EXACT_BYTES` (exact), and only inside the box of rows and
+   lengths it traced; below the box the figure at its lower edge is used (a step's memory does not
+   shrink as its batch grows). The figure it gives is the fit rounded up plus twice its largest
+   residual (a few bytes).
 3. **Trace**: anything else (outside the box, two axes varying apart, a new structure, a regime
    whose fit is not exact: allocator segments on a GPU target, for one): the batch itself is traced,
    exactly; a new length is added to the model, which extends its box when the point agrees with the
@@ -45,20 +47,17 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from torch import nn
 
-from resource_guard.estimate import DeviceFit, MemoryEstimate
-from resource_guard.estimate.later_step import later_step
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.planning.planner import Plan
 from resource_guard.planning.search import Candidate, Tracer, search_largest
 from resource_guard.planning.strategy import SHARDED, unit_param_bytes
+from resource_guard.planning.surface import Surface, profile_of
 from resource_guard.planning.worst_case import (
     Position,
     Signature,
@@ -69,12 +68,7 @@ from resource_guard.planning.worst_case import (
 from resource_guard.step.batching import divisors
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of
 
-__all__ = ["EXACT_BYTES", "MAX_PROFILE", "ShapeFit", "ShapeModel", "Surface", "profile_of"]
-
-EXACT_BYTES = 4096
-"""A fit whose points all lie within this many bytes of it is exact (tensor bytes are integers)."""
-MAX_PROFILE = 200_000
-"""Allocation events kept per traced point for the piecewise fit (more: the timeline's points)."""
+__all__ = ["ShapeFit", "ShapeModel"]
 
 
 @dataclass(frozen=True)
@@ -121,116 +115,6 @@ class ShapeFit:
             "fitting_micro_batch_size": self.fitting_micro_batch_size,
             "fitting_peak_bytes": self.fitting_peak_bytes,
         }
-
-
-class Surface:
-    """A step's device total over (rows, length): least squares on traced points, trusted when exact.
-
-    Basis: ``rows^i · length^j`` for ``i ≤ 1``, ``j ≤ 2``, each capped by the distinct values traced
-    less one; a fit needs one point more than its coefficients, and is trusted only when every point
-    lies on it within :data:`EXACT_BYTES`.
-
-    Piecewise: a step's peak is the highest point of its memory curve, and which operator holds it
-    changes with the shape (the vocabulary's log-softmax at short lengths, attention's ``s²`` scores
-    at long ones). Given each point's ``profile`` (:func:`profile_of`: the live bytes after every
-    allocation event, the same operators in the same order for every shape), every entry gets its own
-    polynomial and the peak is their maximum, so a max of polynomials is fitted exactly; the device's
-    own addition (total less the profile's peak: allocator, extrapolated blocks) is one polynomial
-    more.
-
-    Example:
-        >>> s = Surface()
-        >>> for r in (2, 4):
-        ...     for n in (8, 16, 32):
-        ...         s.add(r, n, 1000 + r * (3 * n + n * n))
-        >>> s.add(4, 24, 1000 + 4 * (3 * 24 + 24 * 24))
-        >>> exact = 1000 + 3 * (3 * 20 + 20 * 20)  # a shape it did not trace
-        >>> s.trusted, 0 <= s.predict(3, 20) - exact <= s.margin_bytes + 1  # rounded up
-        (True, True)
-    """
-
-    def __init__(self) -> None:
-        self.points: dict[tuple[int, int], int] = {}
-        self.trusted = False
-        self.margin_bytes = 0
-        self._profiles: dict[tuple[int, int], tuple[int, ...] | None] = {}
-        self._terms: list[tuple[int, int]] = []
-        self._coef: np.ndarray | None = None
-        self._piecewise = False
-        self._scale = (1.0, 1.0)
-
-    def add(self, rows: int, length: int, total: int, profile: tuple[int, ...] | None = None) -> None:
-        """Add a traced point: its device total and, for a piecewise fit, its timeline ``profile``."""
-        self.points[(rows, length)] = int(total)
-        self._profiles[(rows, length)] = profile
-        self._refit()
-
-    @property
-    def box(self) -> tuple[int, int, int, int]:
-        """``(rows_min, rows_max, length_min, length_max)`` of the traced points."""
-        rs = [r for r, _ in self.points]
-        ns = [n for _, n in self.points]
-        return min(rs), max(rs), min(ns), max(ns)
-
-    def _refit(self) -> None:
-        rows = sorted({r for r, _ in self.points})
-        lengths = sorted({n for _, n in self.points})
-        i_max, j_max = min(1, len(rows) - 1), min(2, len(lengths) - 1)
-        self._terms = [(i, j) for i in range(i_max + 1) for j in range(j_max + 1)]
-        self.trusted = False
-        if len(self.points) <= len(self._terms):
-            return
-        self._scale = (float(rows[-1]), float(lengths[-1]))
-        keys = list(self.points)
-        a = np.array([self._row(r, n) for r, n in keys])
-        totals = np.array([float(self.points[k]) for k in keys])
-        profiles = [self._profiles[k] for k in keys]
-        sizes = {len(p) if p else 0 for p in profiles}
-        self._piecewise = len(sizes) == 1 and 0 not in sizes
-        if self._piecewise:
-            timeline = np.array(profiles, dtype=np.float64)
-            y = np.column_stack([timeline, totals - timeline.max(axis=1)])
-        else:
-            y = totals[:, None]
-        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-        worst = float(np.max(np.abs(a @ coef - y)))
-        self._coef = coef
-        self.trusted = worst <= EXACT_BYTES
-        self.margin_bytes = int(math.ceil(2 * worst)) + 1
-
-    def _row(self, rows: float, length: float) -> np.ndarray:
-        r, n = rows / self._scale[0], length / self._scale[1]
-        return np.array([r**i * n**j for i, j in self._terms])
-
-    def predict(self, rows: int, length: int) -> int:
-        """The fitted total, rounded up, plus the margin (requires :attr:`trusted`)."""
-        assert self._coef is not None
-        values = self._row(rows, length) @ self._coef
-        value = float(values[:-1].max() + values[-1]) if self._piecewise else float(values[0])
-        return int(math.ceil(value)) + self.margin_bytes
-
-
-def profile_of(estimate: MemoryEstimate, fit: DeviceFit) -> tuple[int, ...] | None:
-    """The live bytes after each allocation event of an estimate's step, as its ``fit`` counts them.
-
-    Events come in the same order for every shape of one model (the same operators run), so each
-    entry is one polynomial in the shape and the step's peak is their maximum. For a micro-step that
-    starts with the gradients allocated (``fit`` of a later step), the events are rewritten as
-    :func:`~resource_guard.estimate.later_step.later_step` does for ``for_device``. Without events
-    (or more than :data:`MAX_PROFILE` of them), the timeline's points.
-    """
-    events, initial = list(estimate.allocations), list(estimate.initial_allocations)
-    later = "a later step" in " ".join(fit.notes)
-    if events and len(events) <= MAX_PROFILE:
-        if later:
-            grads = getattr(estimate, "gradient_allocations", ())
-            initial, events = later_step(events, initial, grads)
-        running = np.cumsum(np.fromiter((b for _, b in events), dtype=np.int64, count=len(events)))
-        return tuple((running + sum(b for _, b in initial)).tolist())
-    timeline = estimate.timeline
-    if not timeline or later:
-        return None
-    return tuple(sum(sizes) for _, sizes in timeline)
 
 
 class ShapeModel:
