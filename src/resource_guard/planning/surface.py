@@ -108,23 +108,34 @@ class Surface:
 
 
 def profile_of(estimate: MemoryEstimate, fit: DeviceFit) -> tuple[int, ...] | None:
-    """The live bytes after each allocation event of an estimate's step, as its ``fit`` counts them.
+    """The live bytes at each point of an estimate's step, as ``for_device`` counts its peak.
 
-    Events come in the same order for every shape of one model (the same operators run), so each
-    entry is one polynomial in the shape and the step's peak is their maximum. For a micro-step that
-    starts with the gradients allocated (``fit`` of a later step), the events are rewritten as
-    :func:`~resource_guard.estimate.later_step.later_step` does for ``for_device``. Without events
-    (or more than :data:`MAX_PROFILE` of them), the timeline's points.
+    Points come in the same order for every shape of one model (the same operators run), so each
+    entry is one polynomial in the shape and the step's peak is their maximum. Traced whole: the
+    running total after each allocation event, rewritten for a micro-step that starts with the
+    gradients allocated as :func:`~resource_guard.estimate.later_step.later_step` does. Extrapolated
+    from shallow blocks (or more than :data:`MAX_PROFILE` events): the timeline, which stands for the
+    whole model, and for such a later micro-step its forward and backward points again with every
+    gradient allocated (as :func:`~resource_guard.estimate.later_step.later_peak_from_timeline`).
     """
     events, initial = list(estimate.allocations), list(estimate.initial_allocations)
     later = "a later step" in " ".join(fit.notes)
-    if events and len(events) <= MAX_PROFILE:
+    extrapolated = getattr(estimate, "allocator_overhead", None) is not None
+    if events and not extrapolated and len(events) <= MAX_PROFILE:
         if later:
             grads = getattr(estimate, "gradient_allocations", ())
             initial, events = later_step(events, initial, grads)
         running = np.cumsum(np.fromiter((b for _, b in events), dtype=np.int64, count=len(events)))
         return tuple((running + sum(b for _, b in initial)).tolist())
     timeline = estimate.timeline
-    if not timeline or later:
+    if not timeline:
         return None
-    return tuple(sum(sizes) for _, sizes in timeline)
+    sums = [sum(sizes) for _, sizes in timeline]
+    if not later:
+        return tuple(sums)
+    from resource_guard.estimate.tracer import CATEGORIES
+
+    g = CATEGORIES.index("gradients")
+    grads = max(sizes[g] for _, sizes in timeline)
+    again = [sum(sizes) - sizes[g] + grads for phase, sizes in timeline if phase in ("forward", "backward")]
+    return tuple(sums + again)
