@@ -200,8 +200,8 @@ class ShapeModel:
 
         ``kept``: the regime of micro-steps that start with the gradients allocated (accumulation);
         without accumulation only the plan's micro-batch ``m`` runs in the other regime, so its rows
-        are ``{m}``; in the accumulating regime ``{m, m/2}`` (or ``{m/2, m/4}`` below a plan that
-        does not accumulate).
+        are ``{m}``; in the accumulating regime ``{m, m/2}`` (or ``{m/2, m-1}`` below a plan that
+        does not accumulate: a batch of one row is only bounded, by the box's edge).
         """
         surface = self._surface(positions, kept)
         m = self._micro
@@ -209,8 +209,8 @@ class ShapeModel:
             row_values = [m]
         elif m < self._per_rank:
             row_values = sorted({m, max(1, m // 2)})
-        else:
-            row_values = sorted({max(1, m // 2), max(1, m // 4)})
+        else:  # below a plan that does not accumulate; a single row runs other operators
+            row_values = sorted({max(2, m // 2), m - 1}) if m >= 3 else [1]
         n = sorted(set(lengths))
         for length in n:
             for rows in row_values:
@@ -253,20 +253,27 @@ class ShapeModel:
         micro = min(rows, self._micro)
         if axis is not None:
             _, positions, length = axis
-            predicted = self.predict(micro, length, positions) if positions else None
-            if predicted is not None:
-                surface = self._surfaces[(positions, self._kept(micro))]
-                margin = surface.margin_bytes
+            kept = self._kept(micro)
+            # only the rows differ: the sample's length along every axis learnt so far
+            axes = [(positions, length)] if positions else [
+                (p, self._length0(p)) for p, k in self._surfaces if k == kept
+            ]  # fmt: skip
+            for along, at in axes:
+                predicted = self.predict(micro, at, along)
+                if predicted is None:
+                    continue
+                surface = self._surfaces[(along, kept)]
                 r_lo, _, n_lo, _ = surface.box
-                source = "bound" if micro < r_lo or length < n_lo else "model"
+                source = "bound" if micro < r_lo or at < n_lo else "model"
                 if predicted <= self.usable_bytes:
                     return self._fit_from(signature, rows, micro, predicted, source)
-                if predicted - 2 * margin > self.usable_bytes:  # surely over: find what fits, traced
+                if predicted - 2 * surface.margin_bytes > self.usable_bytes:  # surely over: search, traced
                     return self._split(batch, signature, rows, micro, predicted, source, positions, length)
+                break
             tracer = self._tracer(positions, length, batch)
             cand = self._evaluate(tracer, micro)
-            if positions:
-                self._note(positions, length, micro, cand)
+            for along, at in axes:
+                self._note(along, at, micro, cand)
             if cand.fits:
                 return self._fit_from(signature, rows, micro, cand.total, "traced")
             return self._split(batch, signature, rows, micro, cand.total, "traced", positions, length)
@@ -307,14 +314,18 @@ class ShapeModel:
             self._learned.add(key)  # once: a surface that stays untrusted is not polynomial here
             self.learn(positions, tuple(sorted(lengths)), kept)
 
+    def _length0(self, positions: frozenset[Position]) -> int:
+        """The sample batch's size along ``positions``."""
+        index, dim = next(iter(positions))
+        return int(self._base[index][0][dim])
+
     def _surface(self, positions: frozenset[Position], kept: bool) -> Surface:
         """The model along ``positions`` in one regime, seeded with the plan's point when it has one."""
         surface = self._surfaces.get((positions, kept))
         if surface is None:
             surface = self._surfaces[(positions, kept)] = Surface()
-            index, dim = next(iter(positions))
             if self.seen.get(self._base) is not None and self._kept(self._micro) == kept:
-                fit, length = self.plan.fit, self._base[index][0][dim]
+                fit, length = self.plan.fit, self._length0(positions)
                 surface.add(self._micro, length, fit.device_total_bytes, profile_of(self.plan.estimate, fit))
         return surface
 

@@ -57,7 +57,14 @@ class Surface:
         self._scale = (1.0, 1.0)
 
     def add(self, rows: int, length: int, total: int, profile: tuple[int, ...] | None = None) -> None:
-        """Add a traced point: its device total and, for a piecewise fit, its timeline ``profile``."""
+        """Add a traced point: its device total and, for a piecewise fit, its ``profile``.
+
+        A point whose profile has another length than the points before it ran other operators (a
+        batch of one row skips some broadcasts): it is left out, and its shape stays a traced one.
+        """
+        lengths = {len(p) if p else 0 for p in self._profiles.values()}
+        if lengths and lengths != {len(profile) if profile else 0}:
+            return
         self.points[(rows, length)] = int(total)
         self._profiles[(rows, length)] = profile
         self._refit()
