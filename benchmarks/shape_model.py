@@ -43,7 +43,7 @@ from resource_guard.planning.planner import plan  # noqa: E402
 from resource_guard.planning.shapes import ShapeModel  # noqa: E402
 
 LEARN = ((4, 32), (4, 256), (2, 32), (2, 128), (2, 256))
-SPREAD = tuple((r, n) for r in (4, 2, 1) for n in (48, 96, 160, 200, 240))
+SPREAD = tuple((r, n) for r in (4, 3, 2, 1) for n in (48, 96, 160, 200, 240))
 
 
 def build(attn: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
@@ -201,15 +201,20 @@ def report_accuracy() -> list[dict[str, Any]]:
         f"  {len(rows)} shapes: min {min(errors):+.4%}, median {statistics.median(errors):+.4%}, "
         f"max {max(errors):+.4%}"
     )
-    for source in ("model", "traced"):
+    for source in ("model", "traced", "bound"):
         mine = [r for r in rows if r["source"] == source]
         if not mine:
             continue
         under = [r["measured_bytes"] - r["predicted_bytes"] for r in mine if r["error"] < 0]
-        within = all(r["error"] <= 0.03 for r in mine)
-        verdict = "PASS" if within and not under else "FAIL"
         detail = f"{len(under)} under, by at most {max(under)} B" if under else "none under"
         what = f"{source} figures ({len(mine)})"
+        if source == "bound":  # the figure at the edge of the model's box: an upper bound only
+            top = max(r["error"] for r in mine)
+            verdict = "FAIL" if under else "PASS"
+            print(f"  {verdict}: {what} never under the real step ({detail}; over by up to {top:.0%})")
+            continue
+        within = all(r["error"] <= 0.03 for r in mine)
+        verdict = "PASS" if within and not under else "FAIL"
         print(f"  {verdict}: {what} never under and within 3% of the real step: {detail}")
     return rows
 
