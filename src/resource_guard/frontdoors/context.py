@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.observe.growth import batch_signature
 from resource_guard.observe.oom import is_oom
@@ -95,6 +95,12 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device
 class Guard:
     """The context manager returned by :func:`guard`; see the module docstring.
 
+    Each batch's shape is checked against the plan before it runs (``check_shapes=True``): a batch too
+    big for the plan runs as smaller micro-batches that fit, with the effective batch, the loss
+    weighting and the optimizer steps unchanged (:mod:`~resource_guard.frontdoors.shape_guard`). The
+    run's largest batch, declared (``max_seq_len=``, ``worst_case_batch=``) or declared by the loader,
+    is traced before any step; the plan's reasons say what it needs.
+
     Attributes:
         plan: the :class:`~resource_guard.Plan` once made (``None`` before the first batch when
             no ``sample_batch`` was given).
@@ -128,6 +134,9 @@ class Guard:
         catalog: Any = None,
         memory_history: bool = False,
         eval_sample_batch: Any = None,
+        max_seq_len: int | None = None,
+        worst_case_batch: Any = None,
+        check_shapes: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
@@ -150,6 +159,11 @@ class Guard:
             raise ConfigurationError(f"`guard(memory_history={memory_history!r})` must be True or False.")
         if precision != "auto":
             parse_precision(precision)  # an unknown name fails here, before anything else
+        from resource_guard.frontdoors.shape_guard import check_worst_case_args
+
+        check_worst_case_args("guard", max_seq_len, check_shapes)
+        self._worst = (max_seq_len, worst_case_batch, check_shapes)
+        self._shapes: Any = None  # the ShapeGuard, once planned
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self._sample_batch = sample_batch
         self._eval_sample = eval_sample_batch  # pre-flighted with the plan (see `evaluate`)
@@ -208,7 +222,7 @@ class Guard:
     # ------------------------------------------------------------------------------------------------
     # set-up
 
-    def _setup(self, batch: Any) -> None:
+    def _setup(self, batch: Any, loader: Any = None) -> None:
         from resource_guard.planning.planner import plan
 
         target = self._target if self._target is not None else batch_size_of(batch)
@@ -247,6 +261,19 @@ class Guard:
             self.model.to(spec.param_dtype)
         if spec.loss_scaling:
             self._scaler = torch.amp.GradScaler(device.type)
+        if self._worst[2]:  # the shape guard; the worst case known before any step (it may split)
+            from resource_guard.frontdoors.shape_guard import start_shape_guard
+
+            try:
+                self._shapes, notes = start_shape_guard(
+                    self.model, self.optimizer, batch, loss_fn, made, *self._worst[:2], loader=loader
+                )
+            except DoesNotFitError:
+                raise
+            except Exception as error:  # our check never stops the run
+                warnings.warn(f"resource_guard: the shape check is off: {error!r}", ResourceGuardWarning, 2)
+                notes = []
+            self.plan = dataclasses.replace(made, reasons=(*made.reasons, *notes))
         if self._monitor_on:
             self._start_monitor(batch)
             for check in self._evals.checks:  # pre-flighted with the plan: into the report too
@@ -271,6 +298,7 @@ class Guard:
                 # ~6 us a step over 50 steps, ~30 us over 10
                 log_every_n_steps=50,
             )
+            self._monitor.shape_stats = self._shapes.stats if self._shapes is not None else None
             self._monitor.start()
         except ConfigurationError:
             raise
@@ -299,7 +327,7 @@ class Guard:
         self._expect_steps(loader)
         for batch in loader:
             if self.plan is None:
-                self._setup(batch)
+                self._setup(batch, loader)
                 self._expect_steps(loader)
             if self._flops_per_sample is not None and self._monitor is not None:
                 # the monitor's step is one loader batch: MFU from the FLOPs of that many samples
@@ -309,13 +337,15 @@ class Guard:
             device = self.device
             assert device is not None and self.plan is not None
             moved = _to_device(batch, device, non_blocking)
+            # the shape guard's micro-batch for this batch's shape (one dict lookup once seen)
+            micro_size = self._shapes.micro_batch_size(moved) if self._shapes else self.plan.micro_batch_size
             rows = self._rows(moved)
-            if rows is not None and rows <= self.plan.micro_batch_size:  # the hot path: no slicing
+            if rows is not None and rows <= micro_size:  # the hot path: no slicing
                 self._current_micro = rows
                 yield moved
                 self.micro_steps += 1
             else:
-                for micro in split_batch(moved, self.plan.micro_batch_size):
+                for micro in split_batch(moved, micro_size):
                     self._current_micro = batch_size_of(micro) or 1
                     yield micro
                     self.micro_steps += 1
@@ -494,6 +524,8 @@ class Guard:
             "oom": is_oom(exc),
             "measured_peak_bytes": measured,
         }
+        if self._shapes is not None:
+            out["shapes"] = self._shapes.stats()
         if plan is not None:
             out["plan"] = plan.to_dict()
             out["estimated_peak_bytes"] = plan.fit.allocated_peak_bytes

@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from resource_guard.devices import parse_memory_limit
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.frontdoors import lightning_apply as ap
+from resource_guard.frontdoors import lightning_shapes
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.observe.profiling import ProfileWindow
 from resource_guard.step.precision import PRECISIONS, parse_precision
@@ -77,6 +78,11 @@ class ResourceGuard(Callback):
         memory_history: on a CUDA run, record the allocator's history and, when the run ends with an
             out-of-memory error, dump it into ``memory_snapshot.pickle`` for https://pytorch.org/memory_viz
             (the OOM's figures go into ``oom.json`` and the report either way).
+        max_seq_len / worst_case_batch: the run's largest batch (a length along the sample's sequence
+            axis, or a batch): the plan is made for it. Default: read from the train loader when it
+            declares it (:func:`~resource_guard.planning.worst_case.worst_case_length`).
+        check_shapes: check each batch's shape before it runs and stop with ``DoesNotFitError`` before
+            one that would not fit (:mod:`~resource_guard.frontdoors.shape_guard`); ``False``: off.
 
     Attributes:
         plan: the :class:`~resource_guard.Plan` this rank made (``None`` before ``fit`` and on a
@@ -104,6 +110,9 @@ class ResourceGuard(Callback):
         monitor: bool = True,
         log_dir: str | os.PathLike[str] | None = None,
         memory_history: bool = False,
+        max_seq_len: int | None = None,
+        worst_case_batch: Any = None,
+        check_shapes: bool = True,
     ) -> None:
         def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
             return ConfigurationError(f"`ResourceGuard({name}={value!r})` must be {allowed}.")
@@ -145,6 +154,14 @@ class ResourceGuard(Callback):
             raise bad("profile", profile, "True, False or a ProfileWindow")
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise bad("log_dir", log_dir, "a directory path or None")
+        from resource_guard.frontdoors.shape_guard import check_worst_case_args
+
+        check_worst_case_args("ResourceGuard", max_seq_len, check_shapes)
+        self.max_seq_len, self.worst_case_batch = max_seq_len, worst_case_batch
+        self.check_shapes = check_shapes
+        self._shapes: Any = None  # the ShapeGuard of this fit
+        self._planned_on: Any = None  # the batch the plan was made on (the worst case when known)
+        self._worst_source: str | None = None
         self.target_batch_size = target_batch_size
         self.device = device
         self.headroom = float(headroom)
@@ -231,7 +248,7 @@ class ResourceGuard(Callback):
             return
         assert decisions is not None
         self._apply(trainer, pl_module, decisions, loader_batch_size)
-        notes = []
+        notes = lightning_shapes.start_shapes(self, trainer, pl_module, decisions)
         if trainer.world_size > 1:
             notes.append(
                 f"agreed across {trainer.world_size} ranks: rank {source_rank}'s plan, the most "
@@ -297,6 +314,7 @@ class ResourceGuard(Callback):
             )
         world = trainer.world_size
         fixed = self._fixed
+        batch = self._planned_on = lightning_shapes.worst_case_of(self, trainer, batch)
         if target is None:
             if loader_batch_size is None:
                 raise ConfigurationError(
@@ -402,11 +420,14 @@ class ResourceGuard(Callback):
             ),
         )
         self._monitor.total_steps = _total_batches(trainer)
+        self._monitor.shape_stats = self._shapes.stats if self._shapes is not None else None
         self._monitor.start()
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._shapes is not None:  # before the batch runs: stop, on every rank, if it would not fit
+            self._shapes.stop_if_too_big(batch)
         if self._monitor is not None:
             self._monitor.batch_ready(batch)
 

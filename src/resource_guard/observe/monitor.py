@@ -88,7 +88,12 @@ class RunMonitor(MonitorOutputs):
         summary: print the one-line summary at the end (rank zero).
         memory_history: on a CUDA run, record the allocator's history and dump it into
             ``memory_snapshot.pickle`` when the run ends with an OOM (see :mod:`resource_guard.observe.oom`).
+
+    ``shape_stats``: set by a front door to a callable returning its shape guard's counts (shapes
+    seen, splits, stops); read once, at close, into :attr:`RunStats.shapes`.
     """
+
+    shape_stats: Any = None
 
     def __init__(
         self,

@@ -9,6 +9,7 @@ with their TensorBoard copies, and the console summary.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -70,6 +71,7 @@ class MonitorOutputs:
     _memory: MemoryWatch | None
     _oom: OomEvent | None
     _notes: list[str]
+    shape_stats: Any
     capacity_bytes: int | None
     precision: str | None
     loader_info: dict[str, Any]
@@ -138,7 +140,7 @@ class MonitorOutputs:
 
     # -- the end of the run ----------------------------------------------------------------------
     def _run_stats(self, profile: ProfileSummary | None) -> RunStats:
-        return run_stats(
+        stats = run_stats(
             self._intervals,
             device=self.device,
             cuda=self._cuda,
@@ -157,6 +159,9 @@ class MonitorOutputs:
             memory_growth=self._memory_growth(),
             expandable_segments=expandable_segments() if self._cuda else None,
         )
+        if self.shape_stats is None:  # the front doors' shape guard, when on
+            return stats
+        return dataclasses.replace(stats, shapes=self._guard("shape stats", self.shape_stats))
 
     def _memory_growth(self) -> dict[str, Any] | None:
         trend = self._guard("memory growth", self._memory.trend) if self._memory is not None else None

@@ -30,6 +30,7 @@ from typing import Any
 
 from resource_guard.devices import format_bytes
 from resource_guard.report.memory_rules import rule_fragmentation, rule_memory_growth
+from resource_guard.report.shape_findings import rule_shapes
 from resource_guard.report.types import Finding, RunStats
 
 __all__ = [
@@ -293,6 +294,7 @@ def rule_estimate_drift(s: RunStats) -> Finding | None:
 
 RULES: tuple[Callable[[RunStats], Finding | None], ...] = (
     rule_oom,
+    rule_shapes,
     rule_input_bound,
     rule_launch_bound,
     rule_memory_pressure,

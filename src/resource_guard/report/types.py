@@ -27,6 +27,7 @@ FINDING_IDS = (
     "estimate-drift",
     "memory-growth",
     "fragmentation",
+    "shapes",
     "healthy",
 )
 
@@ -175,6 +176,7 @@ class RunStats:
     reserved_bytes: int | None = None
     reserved_gap_bytes: int | None = None
     expandable_segments: bool | None = None
+    shapes: Mapping[str, Any] | None = None  # the front doors' shape guard: shapes seen, splits, stops
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -183,6 +185,7 @@ class RunStats:
         out["notes"] = list(self.notes)
         out["oom"] = None if self.oom is None else dict(self.oom)
         out["memory_growth"] = None if self.memory_growth is None else dict(self.memory_growth)
+        out["shapes"] = None if self.shapes is None else dict(self.shapes)
         return out
 
     @classmethod
