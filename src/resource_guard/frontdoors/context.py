@@ -273,7 +273,7 @@ class Guard:
             except Exception as error:  # our check never stops the run
                 warnings.warn(f"resource_guard: the shape check is off: {error!r}", ResourceGuardWarning, 2)
                 notes = []
-            self.plan = dataclasses.replace(made, reasons=(*made.reasons, *notes))
+            self.plan = dataclasses.replace(self.plan, reasons=(*self.plan.reasons, *notes))
         if self._monitor_on:
             self._start_monitor(batch)
             for check in self._evals.checks:  # pre-flighted with the plan: into the report too
