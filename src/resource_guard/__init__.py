@@ -17,6 +17,7 @@ from resource_guard.estimate import (
     DeviceFit,
     MeasuredStep,
     MemoryEstimate,
+    UserStep,
     estimate_memory,
     measure_training_step,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "ResourceGuardWarning",
     "RunMonitor",
     "TraceError",
+    "UserStep",
     "apply_checkpointing",
     "estimate_memory",
     "guard",

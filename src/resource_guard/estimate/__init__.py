@@ -18,6 +18,8 @@
 - :mod:`~resource_guard.estimate.allocator`: the CUDA caching allocator, context and workspaces
   (:class:`DeviceFit`).
 - :mod:`~resource_guard.estimate.measure`: the real peak of a CPU step (the ground truth).
+- :mod:`~resource_guard.estimate.user_step`: a step the user writes (several optimizers, backward and
+  ``step`` by hand: a GAN's, manual optimization) as :class:`UserStep`, and its real CPU measurement.
 
 Imports :mod:`resource_guard.step` and :mod:`resource_guard.devices`, nothing above.
 """
@@ -27,6 +29,7 @@ from resource_guard.estimate.estimator import estimate_memory
 from resource_guard.estimate.measure import MeasuredStep, measure_training_step
 from resource_guard.estimate.result import MemoryEstimate
 from resource_guard.estimate.tracer import CATEGORIES
+from resource_guard.estimate.user_step import StepContext, UserStep, measure_user_step
 from resource_guard.step.training import OptimizerArg
 
 __all__ = [
@@ -35,7 +38,10 @@ __all__ = [
     "MeasuredStep",
     "MemoryEstimate",
     "OptimizerArg",
+    "StepContext",
+    "UserStep",
     "device_fit",
     "estimate_memory",
     "measure_training_step",
+    "measure_user_step",
 ]
