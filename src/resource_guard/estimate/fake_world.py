@@ -157,7 +157,7 @@ class FakeStep:
         for t, owner in fake.attached:  # a quantized weight's scales count with the weight
             tracker.track(t, "parameters" if owner == "parameter" else "other")
 
-    def _copy_optimizer(self, optimizer: OptimizerArg, memo: dict[int, Any]) -> torch.optim.Optimizer:
+    def _copy_optimizer(self, optimizer: Any, memo: dict[int, Any]) -> torch.optim.Optimizer:
         if isinstance(optimizer, torch.optim.Optimizer):
             for st in optimizer.state.values():
                 for v in st.values():

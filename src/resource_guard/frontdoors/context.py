@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.observe.oom import is_oom
 from resource_guard.step.batching import split_batch
 from resource_guard.step.precision import autocast_context, parse_precision
@@ -105,7 +105,7 @@ class Guard:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
         *,
         sample_batch: Any = None,
         loss_fn: LossFn | None = None,
@@ -126,9 +126,15 @@ class Guard:
             raise ConfigurationError(
                 f"`guard(model=...)` must be a torch.nn.Module, got {type(model).__name__}."
             )
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        several = isinstance(optimizer, (list, tuple))  # a GAN's loop: g.backward(loss, optimizer=...)
+        if several:
+            from resource_guard.estimate.user_step import check_optimizers
+
+            check_optimizers(model, optimizer, loss_fn, "guard")
+        elif not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigurationError(
-                f"`guard(optimizer=...)` must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
+                f"`guard(optimizer=...)` must be a torch.optim.Optimizer or a list of them, got "
+                f"{type(optimizer).__name__}."
             )
         from resource_guard.devices import parse_memory_limit
         from resource_guard.planning.planner import _check_args
@@ -144,6 +150,7 @@ class Guard:
         if precision != "auto":
             parse_precision(precision)  # an unknown name fails here, before anything else
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.optimizers = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
         self._sample_batch = sample_batch
         self._target = target_batch_size
         self._plan_kwargs: dict[str, Any] = {
@@ -207,24 +214,32 @@ class Guard:
                 "`target_batch_size=`."
             )
         self._target = target
-        loss_fn = self.loss_fn if self.loss_fn is not None else StandInLoss()
+        loss_fn = self.loss_fn if self.loss_fn is not None else StandInLoss()  # several: a UserStep
         made = plan(
             self.model,
-            self.optimizer,
+            list(self.optimizers) if len(self.optimizers) > 1 else self.optimizers[0],
             batch,
             loss_fn,
             target_batch_size=target,
             allow_rough=True,  # the run starts either way: plan on the bound, its warning says why
             **self._plan_kwargs,
         )
+        if len(self.optimizers) > 1 and made.accumulation_steps != 1:  # each loss is the loop's own
+            raise DoesNotFitError(
+                f"with {len(self.optimizers)} optimizers the loop's own step runs on the whole batch (no "
+                f"accumulation), and a batch of {target} does not fit: the largest that fits is "
+                f"{made.micro_batch_size}. Lower the batch size.",
+                made,
+            )
         if isinstance(loss_fn, StandInLoss) and loss_fn.used:
             made = dataclasses.replace(made, reasons=(*made.reasons, StandInLoss.REASON))
         device = torch_device_of(made.device)
         self.plan, self.device = made, device
-        if self._monitor_on:  # model FLOPs, before checkpointing adds its recomputation
+        if self._monitor_on and len(self.optimizers) == 1:  # model FLOPs, before checkpointing's
             self._flops_per_sample = _flops_per_sample(self.model, batch, loss_fn)
         self.model.to(device)
-        _move_optimizer_state(self.optimizer, device)
+        for optimizer in self.optimizers:
+            _move_optimizer_state(optimizer, device)
         if made.checkpointing:
             from resource_guard.planning.checkpointing import apply_checkpointing
 
@@ -295,6 +310,8 @@ class Guard:
                 self._current_micro = batch_size_of(micro) or 1
                 yield micro
                 self.micro_steps += 1
+                if len(self.optimizers) > 1 and self._scaler is not None:
+                    self._scaler.update()  # once per batch, after every optimizer stepped
             self._call_monitor("step_end")
         if self._pending:
             self._finish_partial_step()
@@ -311,14 +328,18 @@ class Guard:
             raise ConfigurationError("`g.autocast()` is only valid once the run is planned (inside iterate).")
         return autocast_context(parse_precision(self.plan.precision), self.device.type)
 
-    def backward(self, loss: torch.Tensor) -> bool:
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Backward of a micro-batch's mean loss; steps the optimizer when the effective batch is done.
 
         The loss is weighted by ``micro-batch size / target batch size`` so the accumulated gradient is
         that of the mean over the effective batch. Returns True when an optimizer step was taken.
+        With several optimizers (``guard(model, [opt_g, opt_d], loss_fn=UserStep(...))``) each backward
+        names the ``optimizer`` it trains, which then steps and is zeroed; the batch is not split.
         """
         if self.plan is None or self._target is None:
             raise ConfigurationError("`g.backward(loss)` must follow a batch from `g.iterate(loader)`.")
+        if len(self.optimizers) > 1 or optimizer is not None:
+            return self._backward_of(loss, optimizer)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ConfigurationError(f"`g.backward(loss)` needs a scalar loss tensor, got {shape}.")
@@ -336,29 +357,44 @@ class Guard:
     def _finish_partial_step(self) -> None:
         assert self._target is not None
         factor = self._target / self._pending
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for g in self.optimizers[0].param_groups for p in g["params"] if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, factor)
         self._optimizer_step()
 
-    def _optimizer_step(self) -> None:
+    def _backward_of(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> bool:
+        """``g.backward(loss, optimizer=opt)``: backward of the whole batch's loss, then ``opt``'s step."""
+        if not any(optimizer is o for o in self.optimizers):
+            raise ConfigurationError(
+                f"`g.backward(loss, optimizer={type(optimizer).__name__ if optimizer else None})` must "
+                f"name one of the guard's {len(self.optimizers)} optimizers."
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConfigurationError("`g.backward(loss, optimizer=...)` needs a scalar loss tensor.")
+        (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
+        self._optimizer_step(optimizer, update=False)  # the scaler updates once per batch, in iterate
+        return True
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer | None = None, update: bool = True) -> None:
+        optimizer = optimizer if optimizer is not None else self.optimizers[0]
         if self._scaler is not None:
             if self._clip is not None:
-                self._scaler.unscale_(self.optimizer)
-                self._clip_grads()
-            self._scaler.step(self.optimizer)
-            self._scaler.update()
+                self._scaler.unscale_(optimizer)
+                self._clip_grads(optimizer)
+            self._scaler.step(optimizer)
+            if update:
+                self._scaler.update()
         else:
             if self._clip is not None:
-                self._clip_grads()
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+                self._clip_grads(optimizer)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         self._pending = 0
         self.optimizer_steps += 1
 
-    def _clip_grads(self) -> None:
+    def _clip_grads(self, optimizer: torch.optim.Optimizer) -> None:
         assert self._clip is not None
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
         torch.nn.utils.clip_grad_norm_(params, self._clip)
 
     def _call_monitor(self, name: str, *args: Any) -> None:
@@ -500,6 +536,13 @@ def check_log_dir(path: str | os.PathLike[str], call: str = "guard") -> None:
         ) from None
 
 
-def guard(model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Guard:
-    """Plan and run a plain-PyTorch training loop; see :class:`Guard` for the arguments."""
+def guard(
+    model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer], **kwargs: Any
+) -> Guard:
+    """Plan and run a plain-PyTorch training loop; see :class:`Guard` for the arguments.
+
+    Several optimizers (a GAN's loop) come as a list, with ``loss_fn=UserStep(step)``: the step the
+    pre-flight estimates (:mod:`~resource_guard.estimate.user_step`), and ``g.backward(loss,
+    optimizer=opt)`` in the loop.
+    """
     return Guard(model, optimizer, **kwargs)

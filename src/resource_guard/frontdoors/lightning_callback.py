@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["ResourceGuard"]
 
 _TEXT_TAG = "resource_guard/plan"
+_MANUAL = "manual optimization (`automatic_optimization = False`)"
 
 
 class ResourceGuard(Callback):
@@ -169,13 +171,16 @@ class ResourceGuard(Callback):
         """Check the environment: automatic optimization, settings fixed by the user, the device name."""
         if stage != "fit":
             return
-        if not pl_module.automatic_optimization:
-            raise ConfigurationError(
-                "ResourceGuard plans automatic optimization (one optimizer, Lightning's accumulation); this "
-                "LightningModule sets `automatic_optimization = False`. Remove the callback, or use "
-                "`resource_guard.plan(...)` / `guard(...)` in your manual loop."
-            )
         self._fixed = ap.fixed_settings(trainer, self.precision, self.accumulation)
+        if not pl_module.automatic_optimization:  # the step is the module's: it alone accumulates
+            if self.accumulation not in ("auto", 1):
+                raise ConfigurationError(
+                    f"`ResourceGuard(accumulation={self.accumulation!r})` does not apply to manual "
+                    "optimization "
+                    "(`automatic_optimization = False`): accumulation is the module's own code in "
+                    "`training_step`. Remove the `accumulation` argument."
+                )
+            self._fixed = dataclasses.replace(self._fixed, accumulation=1, accumulation_source=_MANUAL)
         if self.log_dir is not None and self.monitor and trainer.is_global_zero:
             from resource_guard.frontdoors.context import check_log_dir
 
@@ -243,14 +248,13 @@ class ResourceGuard(Callback):
         loader_batch_size: int | None,
         target: int | None,
     ) -> ap.Decisions:
+        from resource_guard.frontdoors.lightning_manual import manual_step, optimizers_of
         from resource_guard.planning.planner import plan
 
-        optimizers = trainer.optimizers
-        if len(optimizers) != 1:
-            raise ConfigurationError(
-                f"ResourceGuard plans for exactly one optimizer; `configure_optimizers` returned "
-                f"{len(optimizers)}. Return one optimizer, or remove the callback."
-            )
+        optimizers = optimizers_of(trainer, pl_module)  # every optimizer, its state estimated
+        manual = not pl_module.automatic_optimization
+        optimizer: Any = optimizers if manual else optimizers[0]
+        step = manual_step(trainer, pl_module) if manual else ap.training_step_loss
         world = trainer.world_size
         fixed = self._fixed
         if target is None:
@@ -272,9 +276,9 @@ class ResourceGuard(Callback):
         with ap.detached_trainer(pl_module):
             made = plan(
                 pl_module,
-                optimizers[0],
+                optimizer,
                 batch,
-                ap.training_step_loss,
+                step,
                 device=self.device or str(trainer.strategy.root_device),
                 target_batch_size=per_step,
                 headroom=self.headroom,
@@ -286,7 +290,7 @@ class ResourceGuard(Callback):
                 allow_rough=True,  # the run starts either way: plan on the bound, its warning says why
             )
         self.plan = made
-        if self.monitor:  # model FLOPs per sample, for MFU (before checkpointing is applied)
+        if self.monitor and not manual:  # model FLOPs per sample, for MFU (before checkpointing is applied)
             with ap.detached_trainer(pl_module):
                 self._flops_per_sample = _flops_per_sample(pl_module, batch)
         accumulation = made.accumulation_steps
@@ -296,8 +300,13 @@ class ResourceGuard(Callback):
                     f"with {fixed.accumulation_source} fixed, each rank's micro-batch must be "
                     f"{per_step // world} for the target batch {target}, and that does not fit: the largest "
                     f"that fits is {made.micro_batch_size} ({made.precision}, checkpointing "
-                    f"{'on' if made.checkpointing else 'off'}). Remove the accumulation setting so "
-                    "ResourceGuard can choose it, or lower the target batch.",
+                    f"{'on' if made.checkpointing else 'off'}). "
+                    + (
+                        "Lower the batch size (or accumulate in `training_step`)."
+                        if manual
+                        else "Remove the accumulation setting so ResourceGuard can choose it, or lower the "
+                        "target batch."
+                    ),
                     made,
                 )
             accumulation = fixed.accumulation
@@ -411,7 +420,11 @@ class ResourceGuard(Callback):
     def _render(self, d: ap.Decisions, seconds: float, notes: list[str]) -> str:
         fixed = self._fixed
         lines = [f"ResourceGuard plan ({seconds:.1f} s): {_describe(d)}", *(f"- {n}" for n in notes)]
-        if fixed.accumulation is not None:
+        if fixed.accumulation_source == _MANUAL:
+            from resource_guard.frontdoors.lightning_manual import what_manual_leaves
+
+            lines.append(f"- {what_manual_leaves}")
+        elif fixed.accumulation is not None:
             lines.append(f"- accumulation fixed by {fixed.accumulation_source}: planned around it")
         if fixed.precision is not None:
             lines.append(f"- precision fixed by {fixed.precision_source}: planned around it")
