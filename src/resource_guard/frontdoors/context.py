@@ -338,7 +338,7 @@ class Guard:
         """
         if self.plan is None or self._target is None:
             raise ConfigurationError("`g.backward(loss)` must follow a batch from `g.iterate(loader)`.")
-        if len(self.optimizers) > 1 or optimizer is not None:
+        if len(self.optimizers) > 1 or (optimizer is not None and optimizer is not self.optimizers[0]):
             return self._backward_of(loss, optimizer)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
