@@ -5,6 +5,7 @@ plan applied, the run monitored and reported, and the callback's contract (as Li
 from __future__ import annotations
 
 import copy
+import json
 import types
 import warnings
 
@@ -21,6 +22,7 @@ from resource_guard.errors import ConfigurationError, DoesNotFitError
 from resource_guard.estimate import estimate_memory, measure_user_step
 from resource_guard.frontdoors import lightning_manual
 from resource_guard.frontdoors.lightning_callback import ResourceGuard
+from resource_guard.observe.profiling import ProfileWindow
 
 LATENT, DATA, WIDTH, ROWS = 16, 32, 64, 48
 
@@ -311,6 +313,15 @@ def test_two_fits_with_one_callback_and_closing_twice_are_safe(tmp_path):
     guard.teardown(model.trainer, model, "fit")
     guard.teardown(model.trainer, model, "fit")
     assert (tmp_path / "report.md").is_file()
+
+
+def test_the_profiler_window_records_manual_steps(tmp_path):
+    window = ProfileWindow(skip_first=0, wait=0, warmup=1, active=2)
+    guard = ResourceGuard(log_dir=tmp_path, profile=window, precision="32-true")
+    trainer(guard).fit(Gan())
+    assert list(tmp_path.rglob("*.pt.trace.json.gz")), "no trace of the profiled manual steps"
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["summary"]["steps"] == 3 and report["summary"]["profile"]["steps"] == 2
 
 
 class StepHooks(L.Callback):
