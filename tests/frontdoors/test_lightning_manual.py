@@ -324,6 +324,30 @@ def test_the_profiler_window_records_manual_steps(tmp_path):
     assert report["summary"]["steps"] == 3 and report["summary"]["profile"]["steps"] == 2
 
 
+SHAPES = {
+    "manual, one optimizer and a scheduler dict": lambda: ManualNet(),
+    "GAN, a list": lambda: Gan(form="list"),
+    "GAN, dicts with schedulers": lambda: Gan(form="dicts"),
+    "automatic, ([optimizer], [scheduler])": lambda: AutoNet("lists"),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_contract_checkpoint_and_resume_reapply_the_decisions(tmp_path, shape):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    first = ResourceGuard(monitor=False, precision="32-true")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(first, checkpoint, limit_train_batches=2, enable_checkpointing=True).fit(SHAPES[shape]())
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]["ResourceGuard"]
+    assert saved == {"decisions": first.decisions.to_dict()}
+    second = ResourceGuard(monitor=False, precision="32-true")
+    trainer(second, max_epochs=2, limit_train_batches=2).fit(
+        SHAPES[shape](), ckpt_path=tmp_path / "last.ckpt"
+    )
+    assert second.plan is None and second.decisions == first.decisions  # re-applied, not re-planned
+
+
 class StepHooks(L.Callback):
     def __init__(self) -> None:
         self.starts = self.ends = 0

@@ -10,10 +10,15 @@ training, it monitors where the time goes (:class:`~resource_guard.RunMonitor`).
 
 ``training_step`` is traced on a copy of the module detached from the Trainer: ``self.log`` is fine
 (silently skipped); code that reads ``self.trainer`` makes the estimate fall back to the conservative
-analytic count (with a warning). Under DDP every rank plans on its own batch, the ranks agree on the
-most conservative plan through a collective, and only rank zero logs and writes. When ``fit`` ends
-(or fails) the Trainer, module and datamodule are put back as the user configured them; the
-decisions stay in :attr:`ResourceGuard.decisions` and in checkpoints.
+analytic count (with a warning). Under manual optimization (``automatic_optimization = False``) that
+``training_step`` is the whole step, traced with every optimizer and each one's state
+(:mod:`~resource_guard.frontdoors.lightning_manual`); the plan then applies precision, checkpointing and
+the batch size, and leaves accumulation to the module.
+
+Under DDP every rank plans on its own batch, the ranks agree on the most conservative plan through a
+collective, and only rank zero logs and writes. When ``fit`` ends (or fails) the Trainer, module and
+datamodule are put back as the user configured them; the decisions stay in
+:attr:`ResourceGuard.decisions` and in checkpoints.
 
 Example:
     >>> import lightning.pytorch as L
