@@ -348,6 +348,21 @@ def test_contract_checkpoint_and_resume_reapply_the_decisions(tmp_path, shape):
     assert second.plan is None and second.decisions == first.decisions  # re-applied, not re-planned
 
 
+def test_mfu_gets_the_flops_of_the_manual_step(tmp_path):
+    """The GAN step's matmuls, by hand (f = 2·B·in·out): G's two layers forward; D three times forward;
+    the generator's backward through frozen D (input gradients) into G (G1: weights only); the
+    discriminator's two backwards (D2 input and weights, D1 weights)."""
+    guard = ResourceGuard(log_dir=tmp_path, profile=False, precision="32-true")
+    trainer(guard).fit(Gan())
+
+    def f(i: int, o: int) -> int:
+        return 2 * 8 * i * o
+
+    expected = 2 * f(LATENT, WIDTH) + 3 * f(WIDTH, DATA) + 6 * f(DATA, WIDTH) + 8 * f(WIDTH, 1)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["summary"]["flops_per_step"] == expected
+
+
 class StepHooks(L.Callback):
     def __init__(self) -> None:
         self.starts = self.ends = 0

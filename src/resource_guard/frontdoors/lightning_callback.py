@@ -295,9 +295,11 @@ class ResourceGuard(Callback):
                 allow_rough=True,  # the run starts either way: plan on the bound, its warning says why
             )
         self.plan = made
-        if self.monitor and not manual:  # model FLOPs per sample, for MFU (before checkpointing is applied)
+        if self.monitor:  # model FLOPs per sample, for MFU (before checkpointing is applied)
             with ap.detached_trainer(pl_module):
-                self._flops_per_sample = _flops_per_sample(pl_module, batch)
+                self._flops_per_sample = _flops_per_sample(
+                    pl_module, batch, step if manual else None, optimizers
+                )
         accumulation = made.accumulation_steps
         if fixed.accumulation is not None:
             if made.accumulation_steps != 1:
@@ -491,13 +493,21 @@ def _strategy_name(trainer: pl.Trainer) -> str:
     return "ddp"
 
 
-def _flops_per_sample(pl_module: pl.LightningModule, batch: Any) -> float | None:
+def _flops_per_sample(
+    pl_module: pl.LightningModule, batch: Any, manual: Any = None, optimizers: Any = ()
+) -> float | None:
     """FLOPs of ``training_step`` + backward per sample, counted on fake tensors; None if unknown."""
+    from resource_guard.frontdoors.lightning_manual import manual_flops
     from resource_guard.observe.throughput import count_flops
     from resource_guard.step.training import batch_size_of
 
     size = batch_size_of(batch)
-    flops = count_flops(pl_module, batch, ap.training_step_loss) if size else None
+    if not size:
+        return None
+    if manual is not None:  # the module's own step, its backwards included
+        flops = manual_flops(manual, pl_module, optimizers, batch)
+    else:
+        flops = count_flops(pl_module, batch, ap.training_step_loss)
     return flops / size if flops and size else None
 
 

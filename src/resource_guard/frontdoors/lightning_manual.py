@@ -32,7 +32,7 @@ from resource_guard.estimate.user_step import StepContext, UserStep
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["NoOptimizer", "manual_step", "optimizers_of", "what_manual_leaves"]
+__all__ = ["NoOptimizer", "manual_flops", "manual_step", "optimizers_of", "what_manual_leaves"]
 
 what_manual_leaves = (
     "manual optimization: applied precision (Lightning's precision plugin, which `manual_backward` and "
@@ -88,6 +88,44 @@ def manual_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> UserStep:
         module.training_step(step.batch, 0)
 
     return UserStep(run, name=f"{type(pl_module).__name__}.training_step (manual optimization)")
+
+
+def manual_flops(
+    step: UserStep, pl_module: pl.LightningModule, optimizers: list[Any], batch: Any
+) -> float | None:
+    """FLOPs of the manual step's forwards and backwards (the model FLOPs of MFU), counted on fake
+    tensors; ``None`` with a warning when the step cannot run there. Call with the module detached."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from resource_guard.errors import ResourceGuardWarning
+    from resource_guard.estimate.fake_world import FakeModel, fake_like
+    from resource_guard.step.training import map_tensors
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=False):
+            fake = FakeModel(pl_module, lambda t: t.dtype)
+            opts = [
+                NoOptimizer([fake.memo[id(p)] for g in opt.param_groups for p in g["params"]])
+                for opt in optimizers
+            ]
+            fake_batch = map_tensors(lambda t: fake_like(t, t.dtype), batch)
+            context = StepContext(
+                fake.model, tuple(opts), fake_batch, lambda loss, *a, **k: loss.backward(*a, **k)
+            )
+            with FlopCounterMode(display=False) as counter:
+                step.fn(context)
+        return float(counter.get_total_flops())
+    except Exception as exc:  # MFU is a nicety: the run goes on without it
+        warnings.warn(
+            f"ResourceGuard: the manual step's FLOPs could not be counted ({type(exc).__name__}: {exc}); "
+            "MFU will not be reported.",
+            ResourceGuardWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 def _one_or_list(items: list[Any]) -> Any:
