@@ -79,6 +79,8 @@ def test_a_gans_loop_trains_under_guard_with_a_report(tmp_path):
     assert g.plan.estimate.breakdown["optimizer_state"] == state  # both optimizers' state, estimated
     assert (tmp_path / "report.md").is_file() and g.report is not None
     assert json.loads((tmp_path / "guard.json").read_text())["optimizer_steps"] == 6
+    summary = json.loads((tmp_path / "report.json").read_text())["summary"]
+    assert summary["steps"] == 3 and summary["flops_per_step"] > 0  # MFU counts every pass of the step
 
 
 def test_nothing_fits_stops_before_any_step():

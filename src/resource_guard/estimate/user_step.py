@@ -37,7 +37,15 @@ from resource_guard.estimate.measure import MeasuredStep, allocation_deltas, liv
 from resource_guard.estimate.quiet import quiet_profile
 from resource_guard.step.precision import PrecisionSpec, autocast_context, parse_precision
 
-__all__ = ["StepContext", "UserStep", "check_optimizers", "measure_user_step", "run_user_step"]
+__all__ = [
+    "NoOptimizer",
+    "StepContext",
+    "UserStep",
+    "check_optimizers",
+    "count_user_step_flops",
+    "measure_user_step",
+    "run_user_step",
+]
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,48 @@ class UserStep:
 
     def __repr__(self) -> str:
         return f"UserStep({self.name})"
+
+
+class NoOptimizer(torch.optim.Optimizer):
+    """An optimizer that never steps and never zeroes: a run with no optimizer (Lightning's
+    ``configure_optimizers`` returning ``None``), whose gradients stay allocated; also the inert stand-in
+    that :func:`count_user_step_flops` steps."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+
+def count_user_step_flops(
+    model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], batch: Any, step: UserStep
+) -> float:
+    """FLOPs of a :class:`UserStep`'s forwards and backwards (the model FLOPs of MFU; no optimizer
+    update), counted on fake tensors at no real cost. Raises what the step raises on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from resource_guard.estimate.fake_world import FakeModel, fake_like
+    from resource_guard.step.training import map_tensors
+
+    def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(*args, **kwargs)
+
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        fake = FakeModel(model, lambda t: t.dtype)
+        inert = [
+            NoOptimizer([fake.memo[id(p)] for g in o.param_groups for p in g["params"]]) for o in optimizers
+        ]
+        context = StepContext(
+            fake.model, tuple(inert), map_tensors(lambda t: fake_like(t, t.dtype), batch), backward
+        )
+        with FlopCounterMode(display=False) as counter:
+            step.fn(context)
+    return float(counter.get_total_flops())
 
 
 def check_optimizers(

@@ -235,8 +235,8 @@ class Guard:
             made = dataclasses.replace(made, reasons=(*made.reasons, StandInLoss.REASON))
         device = torch_device_of(made.device)
         self.plan, self.device = made, device
-        if self._monitor_on and len(self.optimizers) == 1:  # model FLOPs, before checkpointing's
-            self._flops_per_sample = _flops_per_sample(self.model, batch, loss_fn)
+        if self._monitor_on:  # model FLOPs, before checkpointing adds its recomputation
+            self._flops_per_sample = _flops_per_sample(self.model, batch, loss_fn, self.optimizers)
         self.model.to(device)
         for optimizer in self.optimizers:
             _move_optimizer_state(optimizer, device)
@@ -480,18 +480,28 @@ def _check_device_and_catalog(device: Any, catalog: Any) -> Any:
     return catalog
 
 
-def _flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> float | None:
+def _flops_per_sample(
+    model: nn.Module, batch: Any, loss_fn: LossFn | None, optimizers: tuple[Any, ...] = ()
+) -> float | None:
     """FLOPs of forward + backward per sample, counted on fake tensors (for MFU); None if unknown.
 
     ``loss_fn`` is the one the plan used (the stand-in when none was given; its few FLOPs beside the
-    model's are within MFU's precision).
+    model's are within MFU's precision); a ``UserStep`` of several ``optimizers``: its every pass.
     """
+    from resource_guard.estimate.user_step import UserStep, count_user_step_flops
     from resource_guard.observe.throughput import count_flops
 
     size = batch_size_of(batch)
     if loss_fn is None or not size:
         return None
-    flops = count_flops(model, batch, loss_fn)
+    if isinstance(loss_fn, UserStep):
+        try:
+            flops: float | None = count_user_step_flops(model, optimizers, batch, loss_fn)
+        except Exception as error:  # MFU is a nicety
+            warnings.warn(f"resource_guard: no MFU: {error!r}", ResourceGuardWarning, stacklevel=3)
+            return None
+    else:
+        flops = count_flops(model, batch, loss_fn)
     return flops / size if flops else None
 
 

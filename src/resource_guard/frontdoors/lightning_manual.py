@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
-from resource_guard.estimate.user_step import StepContext, UserStep
+from resource_guard.estimate.user_step import NoOptimizer, StepContext, UserStep, count_user_step_flops
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -40,20 +40,6 @@ what_manual_leaves = (
     "accumulation left alone: it is the module's own code (`training_step` decides when each optimizer "
     "steps), so the micro-batch is the whole batch"
 )
-
-
-class NoOptimizer(torch.optim.Optimizer):
-    """The optimizer of a module whose ``configure_optimizers`` returns ``None``: it never steps and
-    never zeroes, so the gradients stay allocated (as under Lightning's own stand-in)."""
-
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, {})
-
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        return closure() if closure is not None else None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
 
 
 def optimizers_of(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[torch.optim.Optimizer]:
@@ -97,27 +83,10 @@ def manual_flops(
     tensors; ``None`` with a warning when the step cannot run there. Call with the module detached."""
     import warnings
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-
     from resource_guard.errors import ResourceGuardWarning
-    from resource_guard.estimate.fake_world import FakeModel, fake_like
-    from resource_guard.step.training import map_tensors
 
     try:
-        with FakeTensorMode(allow_non_fake_inputs=False):
-            fake = FakeModel(pl_module, lambda t: t.dtype)
-            opts = [
-                NoOptimizer([fake.memo[id(p)] for g in opt.param_groups for p in g["params"]])
-                for opt in optimizers
-            ]
-            fake_batch = map_tensors(lambda t: fake_like(t, t.dtype), batch)
-            context = StepContext(
-                fake.model, tuple(opts), fake_batch, lambda loss, *a, **k: loss.backward(*a, **k)
-            )
-            with FlopCounterMode(display=False) as counter:
-                step.fn(context)
-        return float(counter.get_total_flops())
+        return count_user_step_flops(pl_module, optimizers, batch, step)
     except Exception as exc:  # MFU is a nicety: the run goes on without it
         warnings.warn(
             f"ResourceGuard: the manual step's FLOPs could not be counted ({type(exc).__name__}: {exc}); "
