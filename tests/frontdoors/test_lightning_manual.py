@@ -193,6 +193,19 @@ def test_target_batch_size_sets_the_loaders_batch_size():
     assert model.seen == [16, 16, 16] and model.batch_size == 8  # restored after fit
 
 
+class PrecisionSeen(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.precision = trainer.precision
+
+
+def test_precision_is_applied_to_manual_steps_and_restored():
+    seen, guard = PrecisionSeen(), ResourceGuard(precision="bf16-mixed", monitor=False)
+    fit = trainer(guard, seen)
+    fit.fit(Gan())
+    assert seen.precision == "bf16-mixed" and guard.plan.estimate.precision == "bf16-mixed"
+    assert fit.precision == "32-true"  # the user's plugin is back after fit
+
+
 def test_accumulation_argument_is_refused_under_manual_optimization():
     with pytest.raises(ConfigurationError, match=r"accumulation=2.*training_step"):
         trainer(ResourceGuard(accumulation=2, monitor=False)).fit(ManualNet())
