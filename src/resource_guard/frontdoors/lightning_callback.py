@@ -173,7 +173,8 @@ class ResourceGuard(Callback):
 
     # -- set-up --------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Check the environment: automatic optimization, settings fixed by the user, the device name."""
+        """Check the environment: settings fixed by the user (manual optimization fixes accumulation), the
+        device name."""
         if stage != "fit":
             return
         self._fixed = ap.fixed_settings(trainer, self.precision, self.accumulation)
@@ -181,9 +182,8 @@ class ResourceGuard(Callback):
             if self.accumulation not in ("auto", 1):
                 raise ConfigurationError(
                     f"`ResourceGuard(accumulation={self.accumulation!r})` does not apply to manual "
-                    "optimization "
-                    "(`automatic_optimization = False`): accumulation is the module's own code in "
-                    "`training_step`. Remove the `accumulation` argument."
+                    "optimization (`automatic_optimization = False`): accumulation is the module's own "
+                    "code in `training_step`. Remove the `accumulation` argument."
                 )
             self._fixed = dataclasses.replace(self._fixed, accumulation=1, accumulation_source=_MANUAL)
         if self.log_dir is not None and self.monitor and trainer.is_global_zero:
@@ -428,9 +428,9 @@ class ResourceGuard(Callback):
         fixed = self._fixed
         lines = [f"ResourceGuard plan ({seconds:.1f} s): {_describe(d)}", *(f"- {n}" for n in notes)]
         if fixed.accumulation_source == _MANUAL:
-            from resource_guard.frontdoors.lightning_manual import what_manual_leaves
+            from resource_guard.frontdoors.lightning_manual import WHAT_MANUAL_LEAVES
 
-            lines.append(f"- {what_manual_leaves}")
+            lines.append(f"- {WHAT_MANUAL_LEAVES}")
         elif fixed.accumulation is not None:
             lines.append(f"- accumulation fixed by {fixed.accumulation_source}: planned around it")
         if fixed.precision is not None:

@@ -32,9 +32,9 @@ from resource_guard.estimate.user_step import NoOptimizer, StepContext, UserStep
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["NoOptimizer", "manual_flops", "manual_step", "optimizers_of", "what_manual_leaves"]
+__all__ = ["NoOptimizer", "manual_flops", "manual_step", "optimizers_of", "WHAT_MANUAL_LEAVES"]
 
-what_manual_leaves = (
+WHAT_MANUAL_LEAVES = (
     "manual optimization: applied precision (Lightning's precision plugin, which `manual_backward` and "
     "each optimizer's `step` go through), activation checkpointing and the loader's batch size; "
     "accumulation left alone: it is the module's own code (`training_step` decides when each optimizer "
