@@ -160,3 +160,27 @@ def test_plan_takes_a_user_step_and_fails_fast_under_a_cap():
     assert made.estimate.breakdown["optimizer_state"] > 0
     with pytest.raises(DoesNotFitError):
         plan(model, optimizers, batch, UserStep(gan_step), device="cpu", memory_limit="1MiB")
+
+
+def test_a_step_that_cannot_be_traced_falls_back_to_an_upper_bound_with_every_optimizer():
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from resource_guard import ResourceGuardWarning
+
+    def untraceable(s) -> None:
+        if isinstance(s.batch[0], FakeTensor):
+            raise RuntimeError("this step reads real values")
+        gan_step(s)
+
+    model, optimizers, batch = build_gan()
+    with pytest.warns(ResourceGuardWarning, match="analytic upper bound"):
+        est = estimate_memory(model, optimizers, batch, UserStep(untraceable), device="cpu")
+    assert est.method == "analytic"
+    real_model, real_optimizers, real_batch = build_gan()
+    truth = measure_user_step(real_model, real_optimizers, real_batch, UserStep(gan_step))
+    assert est.peak_bytes >= truth.peak_bytes
+    assert est.breakdown["optimizer_state"] >= state_of(real_optimizers)
+
+
+def state_of(optimizers) -> int:
+    return sum(v.untyped_storage().nbytes() for o in optimizers for s in o.state.values() for v in s.values())
