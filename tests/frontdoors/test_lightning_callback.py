@@ -340,20 +340,26 @@ def test_refuses_a_module_without_batch_size(fake_plan):
         trainer(ResourceGuard(monitor=False)).fit(NoBatchSize())
 
 
-def test_refuses_manual_optimization():
+def test_manual_optimization_is_planned_not_refused(fake_plan):
+    """More in tests/frontdoors/test_lightning_manual.py."""
+    calls = fake_plan()
+
     class Manual(Net):
         def __init__(self):
             super().__init__()
             self.automatic_optimization = False
 
-    with pytest.raises(ConfigurationError, match="automatic_optimization = False"):
-        trainer(ResourceGuard(monitor=False)).fit(Manual(), Data())
+    # a training_step that steps no optimizer: Lightning counts no step, so the batches are limited
+    trainer(ResourceGuard(monitor=False), max_steps=-1, max_epochs=1, limit_train_batches=1).fit(
+        Manual(), Data()
+    )
+    assert calls and isinstance(calls[0]["optimizer"], list)
 
 
-def test_refuses_several_optimizers(fake_plan):
+def test_several_optimizers_under_automatic_optimization_plan_the_one_the_loop_steps(fake_plan):
     """Lightning 2 itself refuses several optimizers under automatic optimization; a custom strategy
-    could still hand over several: ResourceGuard plans for one and says so."""
-    fake_plan()
+    could still hand over several: its automatic loop steps the first, which is what is planned."""
+    calls = fake_plan()
     guard = ResourceGuard(monitor=False)
     t, model = trainer(guard, max_steps=1), Net()
     t.fit(model, Data())
@@ -361,8 +367,8 @@ def test_refuses_several_optimizers(fake_plan):
         torch.optim.SGD(model.blocks.parameters()),
         torch.optim.SGD(model.head.parameters()),
     ]
-    with pytest.raises(ConfigurationError, match="exactly one optimizer"):
-        guard._plan_locally(t, model, [torch.zeros(2, DIM), torch.zeros(2, 1)], 2, None)
+    guard._plan_locally(t, model, [torch.zeros(2, DIM), torch.zeros(2, 1)], 2, None)
+    assert calls[-1]["optimizer"] is t.strategy.optimizers[0]
 
 
 def test_unknown_device_is_refused_in_setup_before_any_estimate():

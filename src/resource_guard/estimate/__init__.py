@@ -20,6 +20,8 @@
 - :mod:`~resource_guard.estimate.measure`: the real peak of a CPU step (the ground truth).
 - :mod:`~resource_guard.estimate.eval_step`: :func:`estimate_eval_memory`, one evaluation step (eval
   mode, ``no_grad``) over what the run holds, and its real CPU peak.
+- :mod:`~resource_guard.estimate.user_step`: a step the user writes (several optimizers, backward and
+  ``step`` by hand: a GAN's, manual optimization) as :class:`UserStep`, and its real CPU measurement.
 
 Imports :mod:`resource_guard.step` and :mod:`resource_guard.devices`, nothing above.
 """
@@ -30,6 +32,7 @@ from resource_guard.estimate.eval_step import estimate_eval_memory, measure_eval
 from resource_guard.estimate.measure import MeasuredStep, measure_training_step
 from resource_guard.estimate.result import MemoryEstimate
 from resource_guard.estimate.tracer import CATEGORIES
+from resource_guard.estimate.user_step import StepContext, UserStep, measure_user_step
 from resource_guard.step.training import OptimizerArg
 
 __all__ = [
@@ -38,9 +41,12 @@ __all__ = [
     "MeasuredStep",
     "MemoryEstimate",
     "OptimizerArg",
+    "StepContext",
+    "UserStep",
     "device_fit",
     "estimate_eval_memory",
     "estimate_memory",
     "measure_eval_step",
     "measure_training_step",
+    "measure_user_step",
 ]

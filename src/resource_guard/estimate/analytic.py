@@ -61,6 +61,8 @@ _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 
 def optimizer_states_per_param(optimizer: Any) -> int:
     """How many parameter-sized tensors the optimizer keeps per parameter in steady state (by type)."""
+    if isinstance(optimizer, (list, tuple)):  # a user step's optimizers: the most any of them keeps
+        return max((optimizer_states_per_param(o) for o in optimizer), default=0)
     cls = optimizer if isinstance(optimizer, type) else type(optimizer)
     name = cls.__name__
     groups = getattr(optimizer, "param_groups", None) or [getattr(optimizer, "defaults", {})]
@@ -86,7 +88,8 @@ def _optimizer_state_bytes(model: nn.Module, optimizer: Any, spec: PrecisionSpec
             world.warm_up_optimizer()
             storages = {
                 id(v.untyped_storage()): v.untyped_storage().nbytes()
-                for st in world.optimizer.state.values()
+                for opt in world.optimizers
+                for st in opt.state.values()
                 for v in st.values()
                 if isinstance(v, torch.Tensor)
             }

@@ -207,7 +207,8 @@ def estimate_by_blocks(
     k1, k2 = samples
     if not 0 < k1 < k2:
         raise ConfigurationError(f"`estimate_by_blocks(samples={samples!r})` must be two depths 0 < k1 < k2")
-    full = len(blocks) < k2 + 2 or isinstance(optimizer, torch.optim.Optimizer)
+    # an optimizer instance (or a user step's list of them) holds the full model's parameters
+    full = len(blocks) < k2 + 2 or isinstance(optimizer, (torch.optim.Optimizer, list, tuple))
     if full:
         return estimate_memory(model, optimizer, batch, loss_fn, precision=precision, device=device)  # type: ignore[arg-type]
     container = _container(model, blocks)

@@ -41,6 +41,7 @@ from resource_guard.estimate.recovery import fake_numpy
 from resource_guard.estimate.result import TRACED, TRACED_RECOVERED, MemoryEstimate
 from resource_guard.estimate.target import Target
 from resource_guard.estimate.tracer import PeakRecord, StorageTracker
+from resource_guard.estimate.user_step import UserStep, check_optimizers, run_user_step
 from resource_guard.step.precision import PrecisionSpec, parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of, iter_tensors, training_step
 
@@ -73,7 +74,9 @@ def _check_inputs(
             f"`{who}(model=...)`: none of the {type(model).__name__}'s parameters requires grad, so a "
             "training step has nothing to train; unfreeze some (`p.requires_grad_(True)`)."
         )
-    if isinstance(optimizer, torch.optim.Optimizer):
+    if isinstance(optimizer, (list, tuple)):
+        check_optimizers(model, optimizer, loss_fn, who)
+    elif isinstance(optimizer, torch.optim.Optimizer):
         own = {id(p) for p in params}
         foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
         if foreign:
@@ -173,13 +176,14 @@ def _trace(
     with as_real_step(), fake_numpy(tracker.recovery), fake_mode, tracker, forward:
         world = FakeStep(model, optimizer, batch, spec, tracker)
         world.warm_up_optimizer()
-        for st in world.optimizer.state.values():
+        for st in (s for opt in world.optimizers for s in opt.state.values()):
             for v in st.values():
                 if isinstance(v, torch.Tensor):
                     tracker.track(v, "optimizer_state")
         for t in iter_tensors(world.batch):
             tracker.track(t, "inputs")
-        variants = world.optimizer_variants()
+        user = isinstance(loss_fn, UserStep)  # the user's own step: the target's optimizer path only
+        variants = world.optimizer_variants() if not user else {}
         scale = 2.0**16 if spec.loss_scaling else None
         current: list[Any] = ["forward", 0]
 
@@ -199,17 +203,20 @@ def _trace(
         initial = tracker.live_storages()
         tracker.recording = True
         tracker.start_phase("forward")
-        training_step(
-            world.model,
-            world.optimizer,
-            world.batch,
-            step_loss_fn,
-            step_spec,
-            "cpu",
-            on_phase=lambda ph: None if ph in ("forward", "optimizer") else on_phase(ph),
-            loss_scale=scale,
-            optimizer_step=optimizer_step,
-        )
+        if user:
+            run_user_step(world, step_loss_fn, step_spec, forward, on_phase, scale, device_kind)  # type: ignore[arg-type]
+        else:
+            training_step(
+                world.model,
+                world.optimizer,
+                world.batch,
+                step_loss_fn,
+                step_spec,
+                "cpu",
+                on_phase=lambda ph: None if ph in ("forward", "optimizer") else on_phase(ph),
+                loss_scale=scale,
+                optimizer_step=optimizer_step,
+            )
         spans.append((current[0], current[1], len(tracker.events)))
         tracker.detach()
 

@@ -136,10 +136,11 @@ def _trace(
         world = FakeStep(model, optimizer if optimizer is not None else _stateless, batch, spec, tracker)
         if optimizer is not None:
             world.warm_up_optimizer()
-            for st in world.optimizer.state.values():
-                for v in st.values():
-                    if isinstance(v, torch.Tensor):
-                        tracker.track(v, "optimizer_state")
+            for opt in world.optimizers:  # every optimizer's state (a GAN's two)
+                for st in opt.state.values():
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor):
+                            tracker.track(v, "optimizer_state")
         for p, kept in zip(world.params, with_grad):
             if kept:
                 p.grad = torch.zeros_like(p)

@@ -12,7 +12,7 @@ import dataclasses
 import random
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -110,12 +110,17 @@ def fake_scalar(t: torch.Tensor) -> torch.Tensor:
 
 
 class FakeStep:
-    """The fake model, optimizer and batch of one estimate, and the step run over them."""
+    """The fake model, optimizer(s) and batch of one estimate, and the step run over them.
+
+    ``optimizer`` is an optimizer, a factory, or a list of optimizers over the model's parameters (a
+    user step's: :mod:`~resource_guard.estimate.user_step`); ``optimizers`` holds every copy and
+    ``optimizer`` the first.
+    """
 
     def __init__(
         self,
         model: nn.Module,
-        optimizer: OptimizerArg,
+        optimizer: OptimizerArg | Sequence[torch.optim.Optimizer],
         batch: Any,
         spec: PrecisionSpec,
         tracker: StorageTracker,
@@ -130,20 +135,10 @@ class FakeStep:
         self.model.train()
 
         memo = fake.memo  # the optimizer's parameters are the fake model's
-        if isinstance(optimizer, torch.optim.Optimizer):
-            for st in optimizer.state.values():
-                for v in st.values():
-                    if isinstance(v, torch.Tensor):
-                        memo[id(v)] = fake_like(v, v.dtype) if v.numel() != 1 else fake_scalar(v)
-            self.optimizer = copy.deepcopy(optimizer, memo)
-            self.optimizer.__dict__.pop("step", None)  # an LR scheduler's wrapper of the original's step
-        else:
-            self.optimizer = optimizer([p for p in self.params if p.requires_grad])
-            if not isinstance(self.optimizer, torch.optim.Optimizer):
-                raise ConfigurationError(
-                    f"the optimizer factory returned {type(self.optimizer).__name__}, "
-                    "not a torch.optim.Optimizer."
-                )
+        # several optimizers (a user step: a GAN's generator and discriminator) share the fake parameters
+        given: list[Any] = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self.optimizers = [self._copy_optimizer(o, memo) for o in given]
+        self.optimizer = self.optimizers[0]
 
         def fake_input(t: torch.Tensor) -> torch.Tensor:
             dtype = dtype_of(t)
@@ -162,6 +157,22 @@ class FakeStep:
         for t, owner in fake.attached:  # a quantized weight's scales count with the weight
             tracker.track(t, "parameters" if owner == "parameter" else "other")
 
+    def _copy_optimizer(self, optimizer: Any, memo: dict[int, Any]) -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for st in optimizer.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        memo[id(v)] = fake_like(v, v.dtype) if v.numel() != 1 else fake_scalar(v)
+            copied = copy.deepcopy(optimizer, memo)
+            copied.__dict__.pop("step", None)  # an LR scheduler's wrapper of the original's step
+            return copied
+        made = optimizer([p for p in self.params if p.requires_grad])
+        if not isinstance(made, torch.optim.Optimizer):
+            raise ConfigurationError(
+                f"the optimizer factory returned {type(made).__name__}, not a torch.optim.Optimizer."
+            )
+        return made
+
     def optimizer_variants(self) -> dict[str, bool | None]:
         groups = self.optimizer.param_groups
         if all("foreach" in g and g.get("foreach") is None and not g.get("fused") for g in groups):
@@ -169,15 +180,15 @@ class FakeStep:
         return {AS_SET: None}
 
     def warm_up_optimizer(self) -> None:
-        """Create the optimizer state a steady-state step starts with."""
-        opt = self.optimizer
-        trainable = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        if trainable and all(p in opt.state and opt.state[p] for p in trainable):
-            return
-        for p in trainable:
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        """Create the state a steady-state step starts with, in every optimizer."""
+        for opt in self.optimizers:
+            trainable = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+            if trainable and all(p in opt.state and opt.state[p] for p in trainable):
+                continue
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
 
 @dataclass

@@ -117,7 +117,7 @@ class Guard:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
         *,
         sample_batch: Any = None,
         loss_fn: LossFn | None = None,
@@ -142,9 +142,15 @@ class Guard:
             raise ConfigurationError(
                 f"`guard(model=...)` must be a torch.nn.Module, got {type(model).__name__}."
             )
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        several = isinstance(optimizer, (list, tuple))  # a GAN's loop: g.backward(loss, optimizer=...)
+        if several:
+            from resource_guard.estimate.user_step import check_optimizers
+
+            check_optimizers(model, optimizer, loss_fn, "guard")
+        elif not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigurationError(
-                f"`guard(optimizer=...)` must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
+                f"`guard(optimizer=...)` must be a torch.optim.Optimizer or a list of them, got "
+                f"{type(optimizer).__name__}."
             )
         from resource_guard.devices import parse_memory_limit
         from resource_guard.planning.planner import _check_args
@@ -165,6 +171,7 @@ class Guard:
         self._worst = (max_seq_len, worst_case_batch, check_shapes)
         self._shapes: Any = None  # the ShapeGuard, once planned
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.optimizers = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
         self._sample_batch = sample_batch
         self._eval_sample = eval_sample_batch  # pre-flighted with the plan (see `evaluate`)
         self._target = target_batch_size
@@ -232,16 +239,23 @@ class Guard:
                 "`target_batch_size=`."
             )
         self._target = target
-        loss_fn = self.loss_fn if self.loss_fn is not None else StandInLoss()
+        loss_fn = self.loss_fn if self.loss_fn is not None else StandInLoss()  # several: a UserStep
         made = plan(
             self.model,
-            self.optimizer,
+            list(self.optimizers) if len(self.optimizers) > 1 else self.optimizers[0],
             batch,
             loss_fn,
             target_batch_size=target,
             allow_rough=True,  # the run starts either way: plan on the bound, its warning says why
             **self._plan_kwargs,
         )
+        if len(self.optimizers) > 1 and made.accumulation_steps != 1:  # each loss is the loop's own
+            raise DoesNotFitError(
+                f"with {len(self.optimizers)} optimizers the loop's own step runs on the whole batch (no "
+                f"accumulation), and a batch of {target} does not fit: the largest that fits is "
+                f"{made.micro_batch_size}. Lower the batch size.",
+                made,
+            )
         if isinstance(loss_fn, StandInLoss) and loss_fn.used:
             made = dataclasses.replace(made, reasons=(*made.reasons, StandInLoss.REASON))
         device = torch_device_of(made.device)
@@ -249,9 +263,10 @@ class Guard:
         if self._eval_sample is not None:  # the evaluation to come, before any step
             self._preflight_eval(self._eval_sample, later=True)
         if self._monitor_on:  # model FLOPs, before checkpointing adds its recomputation
-            self._flops_per_sample = _flops_per_sample(self.model, batch, loss_fn)
+            self._flops_per_sample = _flops_per_sample(self.model, batch, loss_fn, self.optimizers)
         self.model.to(device)
-        _move_optimizer_state(self.optimizer, device)
+        for optimizer in self.optimizers:
+            _move_optimizer_state(optimizer, device)
         if made.checkpointing:
             from resource_guard.planning.checkpointing import apply_checkpointing
 
@@ -337,8 +352,7 @@ class Guard:
             device = self.device
             assert device is not None and self.plan is not None
             moved = _to_device(batch, device, non_blocking)
-            # the shape guard's micro-batch for this batch's shape (one dict lookup once seen)
-            micro_size = self._shapes.micro_batch_size(moved) if self._shapes else self.plan.micro_batch_size
+            micro_size = self._micro_batch_size(moved)
             rows = self._rows(moved)
             if rows is not None and rows <= micro_size:  # the hot path: no slicing
                 self._current_micro = rows
@@ -349,6 +363,8 @@ class Guard:
                     self._current_micro = batch_size_of(micro) or 1
                     yield micro
                     self.micro_steps += 1
+            if len(self.optimizers) > 1 and self._scaler is not None:
+                self._scaler.update()  # once per batch, after every optimizer stepped
             self._call_monitor("step_end")
         if self._pending:
             self._finish_partial_step()
@@ -386,13 +402,21 @@ class Guard:
         freed by the optimizer step's ``zero_grad``; else beside what the run holds now."""
         plan = self.plan
         assert plan is not None
+        from resource_guard.estimate import UserStep
+
+        # the evaluation's forward: the guard's loss function, else (none, or a whole training step) the
+        # stand-in loss over the model's output
+        loss_fn = (
+            self.loss_fn if self.loss_fn is not None and not isinstance(self.loss_fn, UserStep) else None
+        )
+        optimizers = list(self.optimizers) if len(self.optimizers) > 1 else self.optimizers[0]
         check = self._evals.check(
             self.model,
             batch,
-            self.loss_fn if self.loss_fn is not None else StandInLoss(),
+            loss_fn if loss_fn is not None else StandInLoss(),
             loop="evaluation",
             device=plan.device,
-            optimizer=self.optimizer if later or self.optimizer.state else None,
+            optimizer=optimizers if later or any(o.state for o in self.optimizers) else None,
             gradients_kept=False if later else None,
             precision=plan.precision,
             headroom=plan.headroom,
@@ -406,6 +430,18 @@ class Guard:
         if restore is not None:
             self.model.train(restore[0])
             torch.set_grad_enabled(restore[1])
+
+    def _micro_batch_size(self, batch: Any) -> int:
+        """The micro-batch for this batch's shape: the shape guard's (one dict lookup once seen), else the
+        plan's. With several optimizers the loop's own step takes the whole batch: one that would not fit
+        stops the run before it (``DoesNotFitError``) instead of being split."""
+        assert self.plan is not None
+        if self._shapes is None:
+            return self.plan.micro_batch_size
+        if len(self.optimizers) > 1:
+            self._shapes.stop_if_too_big(batch)
+            return self.plan.micro_batch_size
+        return int(self._shapes.micro_batch_size(batch))
 
     def _rows(self, batch: Any) -> int | None:
         """``batch_size_of(batch)``, looked up by the batch's signature (shapes and dtypes) once seen."""
@@ -431,14 +467,18 @@ class Guard:
             raise ConfigurationError("`g.autocast()` is only valid once the run is planned (inside iterate).")
         return autocast_context(parse_precision(self.plan.precision), self.device.type)
 
-    def backward(self, loss: torch.Tensor) -> bool:
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Backward of a micro-batch's mean loss; steps the optimizer when the effective batch is done.
 
         The loss is weighted by ``micro-batch size / target batch size`` so the accumulated gradient is
         that of the mean over the effective batch. Returns True when an optimizer step was taken.
+        With several optimizers (``guard(model, [opt_g, opt_d], loss_fn=UserStep(...))``) each backward
+        names the ``optimizer`` it trains, which then steps and is zeroed; the batch is not split.
         """
         if self.plan is None or self._target is None:
             raise ConfigurationError("`g.backward(loss)` must follow a batch from `g.iterate(loader)`.")
+        if len(self.optimizers) > 1 or (optimizer is not None and optimizer is not self.optimizers[0]):
+            return self._backward_of(loss, optimizer)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ConfigurationError(f"`g.backward(loss)` needs a scalar loss tensor, got {shape}.")
@@ -456,29 +496,44 @@ class Guard:
     def _finish_partial_step(self) -> None:
         assert self._target is not None
         factor = self._target / self._pending
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for g in self.optimizers[0].param_groups for p in g["params"] if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, factor)
         self._optimizer_step()
 
-    def _optimizer_step(self) -> None:
+    def _backward_of(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> bool:
+        """``g.backward(loss, optimizer=opt)``: backward of the whole batch's loss, then ``opt``'s step."""
+        if not any(optimizer is o for o in self.optimizers):
+            raise ConfigurationError(
+                f"`g.backward(loss, optimizer={type(optimizer).__name__ if optimizer else None})` must "
+                f"name one of the guard's {len(self.optimizers)} optimizers."
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConfigurationError("`g.backward(loss, optimizer=...)` needs a scalar loss tensor.")
+        (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
+        self._optimizer_step(optimizer, update=False)  # the scaler updates once per batch, in iterate
+        return True
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer | None = None, update: bool = True) -> None:
+        optimizer = optimizer if optimizer is not None else self.optimizers[0]
         if self._scaler is not None:
             if self._clip is not None:
-                self._scaler.unscale_(self.optimizer)
-                self._clip_grads()
-            self._scaler.step(self.optimizer)
-            self._scaler.update()
+                self._scaler.unscale_(optimizer)
+                self._clip_grads(optimizer)
+            self._scaler.step(optimizer)
+            if update:
+                self._scaler.update()
         else:
             if self._clip is not None:
-                self._clip_grads()
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+                self._clip_grads(optimizer)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         self._pending = 0
         self.optimizer_steps += 1
 
-    def _clip_grads(self) -> None:
+    def _clip_grads(self, optimizer: torch.optim.Optimizer) -> None:
         assert self._clip is not None
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
         torch.nn.utils.clip_grad_norm_(params, self._clip)
 
     def _call_monitor(self, name: str, *args: Any) -> None:
@@ -567,18 +622,28 @@ def _check_device_and_catalog(device: Any, catalog: Any) -> Any:
     return catalog
 
 
-def _flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> float | None:
+def _flops_per_sample(
+    model: nn.Module, batch: Any, loss_fn: LossFn | None, optimizers: tuple[Any, ...] = ()
+) -> float | None:
     """FLOPs of forward + backward per sample, counted on fake tensors (for MFU); None if unknown.
 
     ``loss_fn`` is the one the plan used (the stand-in when none was given; its few FLOPs beside the
-    model's are within MFU's precision).
+    model's are within MFU's precision); a ``UserStep`` of several ``optimizers``: its every pass.
     """
+    from resource_guard.estimate.user_step import UserStep, count_user_step_flops
     from resource_guard.observe.throughput import count_flops
 
     size = batch_size_of(batch)
     if loss_fn is None or not size:
         return None
-    flops = count_flops(model, batch, loss_fn)
+    if isinstance(loss_fn, UserStep):
+        try:
+            flops: float | None = count_user_step_flops(model, optimizers, batch, loss_fn)
+        except Exception as error:  # MFU is a nicety
+            warnings.warn(f"resource_guard: no MFU: {error!r}", ResourceGuardWarning, stacklevel=3)
+            return None
+    else:
+        flops = count_flops(model, batch, loss_fn)
     return flops / size if flops else None
 
 
@@ -626,6 +691,13 @@ def check_log_dir(path: str | os.PathLike[str], call: str = "guard") -> None:
         ) from None
 
 
-def guard(model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Guard:
-    """Plan and run a plain-PyTorch training loop; see :class:`Guard` for the arguments."""
+def guard(
+    model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer], **kwargs: Any
+) -> Guard:
+    """Plan and run a plain-PyTorch training loop; see :class:`Guard` for the arguments.
+
+    Several optimizers (a GAN's loop) come as a list, with ``loss_fn=UserStep(step)``: the step the
+    pre-flight estimates (:mod:`~resource_guard.estimate.user_step`), and ``g.backward(loss,
+    optimizer=opt)`` in the loop.
+    """
     return Guard(model, optimizer, **kwargs)

@@ -10,10 +10,15 @@ training, it monitors where the time goes (:class:`~resource_guard.RunMonitor`).
 
 ``training_step`` is traced on a copy of the module detached from the Trainer: ``self.log`` is fine
 (silently skipped); code that reads ``self.trainer`` makes the estimate fall back to the conservative
-analytic count (with a warning). Under DDP every rank plans on its own batch, the ranks agree on the
-most conservative plan through a collective, and only rank zero logs and writes. When ``fit`` ends
-(or fails) the Trainer, module and datamodule are put back as the user configured them; the
-decisions stay in :attr:`ResourceGuard.decisions` and in checkpoints.
+analytic count (with a warning). Under manual optimization (``automatic_optimization = False``) that
+``training_step`` is the whole step, traced with every optimizer and each one's state
+(:mod:`~resource_guard.frontdoors.lightning_manual`); the plan then applies precision, checkpointing and
+the batch size, and leaves accumulation to the module.
+
+Under DDP every rank plans on its own batch, the ranks agree on the most conservative plan through a
+collective, and only rank zero logs and writes. When ``fit`` ends (or fails) the Trainer, module and
+datamodule are put back as the user configured them; the decisions stay in
+:attr:`ResourceGuard.decisions` and in checkpoints.
 
 Example:
     >>> import lightning.pytorch as L
@@ -49,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = ["ResourceGuard"]
 
 _TEXT_TAG = "resource_guard/plan"
+_MANUAL = "manual optimization (`automatic_optimization = False`)"
 
 
 class ResourceGuard(Callback):
@@ -188,16 +194,19 @@ class ResourceGuard(Callback):
 
     # -- set-up --------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Check the environment: automatic optimization, settings fixed by the user, the device name."""
+        """Check the environment: settings fixed by the user (manual optimization fixes accumulation), the
+        device name."""
         if stage != "fit":
             return
-        if not pl_module.automatic_optimization:
-            raise ConfigurationError(
-                "ResourceGuard plans automatic optimization (one optimizer, Lightning's accumulation); this "
-                "LightningModule sets `automatic_optimization = False`. Remove the callback, or use "
-                "`resource_guard.plan(...)` / `guard(...)` in your manual loop."
-            )
         self._fixed = ap.fixed_settings(trainer, self.precision, self.accumulation)
+        if not pl_module.automatic_optimization:  # the step is the module's: it alone accumulates
+            if self.accumulation not in ("auto", 1):
+                raise ConfigurationError(
+                    f"`ResourceGuard(accumulation={self.accumulation!r})` does not apply to manual "
+                    "optimization (`automatic_optimization = False`): accumulation is the module's own "
+                    "code in `training_step`. Remove the `accumulation` argument."
+                )
+            self._fixed = dataclasses.replace(self._fixed, accumulation=1, accumulation_source=_MANUAL)
         if self.log_dir is not None and self.monitor and trainer.is_global_zero:
             from resource_guard.frontdoors.context import check_log_dir
 
@@ -304,14 +313,13 @@ class ResourceGuard(Callback):
         loader_batch_size: int | None,
         target: int | None,
     ) -> ap.Decisions:
+        from resource_guard.frontdoors.lightning_manual import manual_step, optimizers_of
         from resource_guard.planning.planner import plan
 
-        optimizers = trainer.optimizers
-        if len(optimizers) != 1:
-            raise ConfigurationError(
-                f"ResourceGuard plans for exactly one optimizer; `configure_optimizers` returned "
-                f"{len(optimizers)}. Return one optimizer, or remove the callback."
-            )
+        optimizers = optimizers_of(trainer, pl_module)  # every optimizer, its state estimated
+        manual = not pl_module.automatic_optimization
+        optimizer: Any = optimizers if manual else optimizers[0]
+        step = manual_step(trainer, pl_module) if manual else ap.training_step_loss
         world = trainer.world_size
         fixed = self._fixed
         batch = self._planned_on = lightning_shapes.worst_case_of(self, trainer, batch)
@@ -334,9 +342,9 @@ class ResourceGuard(Callback):
         with ap.detached_trainer(pl_module):
             made = plan(
                 pl_module,
-                optimizers[0],
+                optimizer,
                 batch,
-                ap.training_step_loss,
+                step,
                 device=self.device or str(trainer.strategy.root_device),
                 target_batch_size=per_step,
                 headroom=self.headroom,
@@ -350,7 +358,9 @@ class ResourceGuard(Callback):
         self.plan = made
         if self.monitor:  # model FLOPs per sample, for MFU (before checkpointing is applied)
             with ap.detached_trainer(pl_module):
-                self._flops_per_sample = _flops_per_sample(pl_module, batch)
+                self._flops_per_sample = _flops_per_sample(
+                    pl_module, batch, step if manual else None, optimizers
+                )
         accumulation = made.accumulation_steps
         if fixed.accumulation is not None:
             if made.accumulation_steps != 1:
@@ -358,8 +368,13 @@ class ResourceGuard(Callback):
                     f"with {fixed.accumulation_source} fixed, each rank's micro-batch must be "
                     f"{per_step // world} for the target batch {target}, and that does not fit: the largest "
                     f"that fits is {made.micro_batch_size} ({made.precision}, checkpointing "
-                    f"{'on' if made.checkpointing else 'off'}). Remove the accumulation setting so "
-                    "ResourceGuard can choose it, or lower the target batch.",
+                    f"{'on' if made.checkpointing else 'off'}). "
+                    + (
+                        "Lower the batch size (or accumulate in `training_step`)."
+                        if manual
+                        else "Remove the accumulation setting so ResourceGuard can choose it, or lower the "
+                        "target batch."
+                    ),
                     made,
                 )
             accumulation = fixed.accumulation
@@ -476,7 +491,11 @@ class ResourceGuard(Callback):
     def _render(self, d: ap.Decisions, seconds: float, notes: list[str]) -> str:
         fixed = self._fixed
         lines = [f"ResourceGuard plan ({seconds:.1f} s): {_describe(d)}", *(f"- {n}" for n in notes)]
-        if fixed.accumulation is not None:
+        if fixed.accumulation_source == _MANUAL:
+            from resource_guard.frontdoors.lightning_manual import WHAT_MANUAL_LEAVES
+
+            lines.append(f"- {WHAT_MANUAL_LEAVES}")
+        elif fixed.accumulation is not None:
             lines.append(f"- accumulation fixed by {fixed.accumulation_source}: planned around it")
         if fixed.precision is not None:
             lines.append(f"- precision fixed by {fixed.precision_source}: planned around it")
@@ -556,13 +575,21 @@ def _strategy_name(trainer: pl.Trainer) -> str:
     return "ddp"
 
 
-def _flops_per_sample(pl_module: pl.LightningModule, batch: Any) -> float | None:
+def _flops_per_sample(
+    pl_module: pl.LightningModule, batch: Any, manual: Any = None, optimizers: Any = ()
+) -> float | None:
     """FLOPs of ``training_step`` + backward per sample, counted on fake tensors; None if unknown."""
+    from resource_guard.frontdoors.lightning_manual import manual_flops
     from resource_guard.observe.throughput import count_flops
     from resource_guard.step.training import batch_size_of
 
     size = batch_size_of(batch)
-    flops = count_flops(pl_module, batch, ap.training_step_loss) if size else None
+    if not size:
+        return None
+    if manual is not None:  # the module's own step, its backwards included
+        flops = manual_flops(manual, pl_module, optimizers, batch)
+    else:
+        flops = count_flops(pl_module, batch, ap.training_step_loss)
     return flops / size if flops and size else None
 
 

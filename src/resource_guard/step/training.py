@@ -34,8 +34,12 @@ __all__ = [
 ]
 
 LossFn = Callable[[nn.Module, Any], Any]
-# an optimizer over the model's parameters, or a factory ``params -> Optimizer``
-OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+# an optimizer over the model's parameters, a factory ``params -> Optimizer``, or a user step's list of them
+OptimizerArg = (
+    torch.optim.Optimizer
+    | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    | list[torch.optim.Optimizer]
+)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
