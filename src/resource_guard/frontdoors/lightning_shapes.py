@@ -72,8 +72,9 @@ def start_shapes(
             precision=d.precision, checkpointing=d.checkpointing, checkpoint_every=int(d.checkpointing),
         )  # fmt: skip
         agreed = (d.micro_batch_size, d.accumulation_steps, d.precision, d.checkpointing)
+        optimizer, step = _step_of(trainer, pl_module)
         shapes, _ = start_shape_guard(
-            pl_module, trainer.optimizers[0], batch, training_step_loss, view, traced_plan=mine == agreed,
+            pl_module, optimizer, batch, step, view, traced_plan=mine == agreed,
             trace_context=lambda: detached_trainer(pl_module),
         )  # fmt: skip
     except Exception as error:  # our check never stops the run
@@ -89,3 +90,13 @@ def start_shapes(
         shape = describe_signature(signature_of(batch))
         notes.append(f"planned for the run's largest batch, {shape} ({callback._worst_source})")
     return notes
+
+
+def _step_of(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Any, Any]:
+    """The optimizer(s) and the step the plan traced: the first optimizer and ``training_step``'s loss
+    under automatic optimization; every optimizer and the module's own step under manual optimization."""
+    if pl_module.automatic_optimization:
+        return trainer.optimizers[0], training_step_loss
+    from resource_guard.frontdoors.lightning_manual import manual_step, optimizers_of
+
+    return optimizers_of(trainer, pl_module), manual_step(trainer, pl_module)
