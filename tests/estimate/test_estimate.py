@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from cpu_reference import skip_unless_cpu_runs
+from cpu_reference import measure_reference
 from resource_guard import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import CATEGORIES, estimate_memory, measure_training_step, recovery
 
@@ -30,9 +30,8 @@ def _check_against_truth(build, precision: str = "32-true", tolerance: float = 0
     model, opt, batch, loss_fn = build()
     est = estimate_memory(model, opt, batch, loss_fn, precision=precision, device="cpu")
     assert est.method == "traced", est.warnings
-    skip_unless_cpu_runs(est)
     model, opt, batch, loss_fn = build()
-    truth = measure_training_step(model, opt, batch, loss_fn, precision=precision)
+    truth = measure_reference(est, model, opt, batch, loss_fn, precision=precision)
     assert abs(_rel_error(est.peak_bytes, truth.peak_bytes)) <= tolerance, (est.peak_bytes, truth.peak_bytes)
 
 
