@@ -497,6 +497,7 @@ def _close_to_real(model: nn.Module, optimizer: Any, batch: Any, loss_fn: Any, p
     return est, real
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_float64_model_is_estimated_honestly(precision):
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4)).double()
@@ -554,6 +555,7 @@ BATCH_SHAPES: list[tuple[str, Any, Any]] = [
 ]
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize(("make", "loss_fn"), [c[1:] for c in BATCH_SHAPES], ids=[c[0] for c in BATCH_SHAPES])
 def test_every_batch_shape_is_estimated_like_a_real_step(make, loss_fn):
     est, _ = _close_to_real(KwNet(), torch.optim.AdamW, make(*_xy()), loss_fn)

@@ -76,6 +76,7 @@ SMALL = {
 }
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("name", list(SMALL))
 def test_forced_fallback_is_never_below_the_real_peak(name, precision):

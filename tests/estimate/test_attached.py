@@ -106,6 +106,7 @@ def test_fake_model_fakes_attached_tensors_and_keeps_parameter_attributes():
     assert fake_net._weight_t.untyped_storage() is fake_net.fc.weight.untyped_storage()
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize(
     "build", [_quant_net, lambda: _cached()], ids=["quantized-parameter", "cached-attribute"]
 )
@@ -155,6 +156,7 @@ def _bnb_net(bits: int):
     return model, opt, (torch.randn(32, 64), torch.randint(0, 10, (32,)))
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("bits", [4, 8])
 def test_bitsandbytes_layers_are_traced_exactly(bits):
     model, opt, batch = _bnb_net(bits)
@@ -224,6 +226,7 @@ def _opaque_net():
     return model, opt, (torch.randn(8, 512), torch.randint(0, 10, (8,)))
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_a_custom_operator_runs_through_its_composite_kernel_and_its_temporaries_count(precision):
     model, opt, batch = _opaque_net()

@@ -188,12 +188,14 @@ def cases(draw: st.DrawFn) -> Case:
 _COMMON = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.cpu_reference
 @settings(max_examples=30, **_COMMON)
 @given(case=cases())
 def test_estimate_is_never_under_a_real_cpu_step(case: Case) -> None:
     compare(case)
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.slow
 @settings(max_examples=120, **_COMMON)
 @given(case=cases())

@@ -150,6 +150,7 @@ def test_checkpointing_survives_deepcopy_and_pickle_on_the_copy():
     handle.remove()
 
 
+@pytest.mark.cpu_reference
 def test_estimate_with_checkpointing_is_lower_and_matches_a_real_step():
     def build() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
         torch.manual_seed(0)
