@@ -64,6 +64,7 @@ class MonitorOutputs:
     _guard: Callable[..., Any]
     _peak_flops: Callable[[], float | None]
     _capacity: Callable[[], int | None]
+    _planned_capacity: Callable[[], int | None]
     _comparable_estimate: int | None = None  # cached by _estimated_peak_bytes
     _collective_device: Callable[[], torch.device | None]
 
@@ -201,8 +202,10 @@ class MonitorOutputs:
         picture = None
         if self.estimate is not None and self.estimate.timeline:
             title = f"pre-flight memory of one step ({self.estimate.precision}) vs {self.device}"
+            # the line is the capacity the plan fitted the step into (a memory_limit), not the host's RAM
+            capacity = self._planned_capacity()
             picture = self._guard(
-                "memory picture", memory_picture, self.estimate.timeline, self._capacity(), title=title
+                "memory picture", memory_picture, self.estimate.timeline, capacity, title=title
             )
         if self._tb is not None:
             tb = self._tb
