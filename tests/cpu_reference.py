@@ -13,6 +13,8 @@ Inside a hypothesis test the example is discarded (``assume``) and the reason re
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -22,7 +24,7 @@ from resource_guard.devices import cpu_summary
 from resource_guard.estimate import MemoryEstimate, measure_training_step
 from resource_guard.estimate.measure import MeasuredStep
 
-__all__ = ["measure_reference", "skip_unless_cpu_runs"]
+__all__ = ["measure_reference", "reference_checked", "skip_unless_cpu_runs"]
 
 
 def skip_unless_cpu_runs(est: MemoryEstimate) -> None:
@@ -41,11 +43,19 @@ def measure_reference(est: MemoryEstimate, model: Any, optimizer: Any, batch: An
     """The real CPU step ``est`` estimated, measured (:func:`measure_training_step`, same arguments).
 
     Skipped where the library says this CPU cannot run it; a kernel error after the library said it
-    runs (or could not tell) is an ``AssertionError`` naming the probe.
+    runs (or could not tell) is an ``AssertionError`` naming the probe (:func:`reference_checked`).
     """
     skip_unless_cpu_runs(est)
-    try:
+    with reference_checked(est):
         return measure_training_step(model, optimizer, batch, loss_fn, **kwargs)
+
+
+@contextmanager
+def reference_checked(est: MemoryEstimate) -> Iterator[None]:
+    """Around a real CPU step of ``est``'s case that the library did not say this CPU cannot run: a
+    kernel error inside is an ``AssertionError`` that names the probe as wrong (or missing)."""
+    try:
+        yield
     except (RuntimeError, NotImplementedError) as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         if est.cpu_unknown:

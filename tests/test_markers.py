@@ -3,8 +3,8 @@
 CI reruns ``-m cpu_reference`` under each ``ONEDNN_MAX_CPU_ISA`` cap (``.ci/run``), so a comparison
 with a real step that lacks the marker would never meet the other instruction sets, and a marked test
 that runs none would cost CI time for nothing. A test runs a real step when it calls
-``measure_training_step`` or ``tests/cpu_reference.py``'s ``measure_reference``, itself or through a
-function of its own module.
+``measure_training_step``, or ``tests/cpu_reference.py``'s ``measure_reference`` or ``reference_checked``
+(around a real step run elsewhere), itself or through a function of its own module.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-REAL_STEP = frozenset({"measure_training_step", "measure_reference"})
+REAL_STEP = frozenset({"measure_training_step", "measure_reference", "reference_checked"})
 
 
 def _names(node: ast.AST) -> set[str]:
