@@ -21,12 +21,11 @@ import pytest
 import torch
 from torch import nn
 
-from cpu_reference import skip_unless_cpu_runs
+from cpu_reference import measure_reference
 from resource_guard import estimate_memory, guard, plan
 from resource_guard.cli import main
 from resource_guard.devices import load_catalog
 from resource_guard.errors import ConfigurationError
-from resource_guard.estimate import measure_training_step
 from resource_guard.step.batching import split_batch
 from resource_guard.step.training import batch_size_of, iter_tensors
 
@@ -489,16 +488,16 @@ def test_preflight_estimates_a_float64_model(workdir, capsys):
 
 def _close_to_real(model: nn.Module, optimizer: Any, batch: Any, loss_fn: Any, precision: str = "32-true"):
     est = estimate_memory(model, optimizer, batch, loss_fn, precision=precision, device="cpu")
-    skip_unless_cpu_runs(est)
     twin = copy.deepcopy(model)
-    real = measure_training_step(
-        twin, optimizer(list(twin.parameters())), batch, loss_fn, precision=precision
+    real = measure_reference(
+        est, twin, optimizer(list(twin.parameters())), batch, loss_fn, precision=precision
     )
     assert est.method == "traced"
     assert abs(est.peak_bytes - real.peak_bytes) <= max(0.02 * real.peak_bytes, 4096), (est, real)
     return est, real
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_float64_model_is_estimated_honestly(precision):
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4)).double()
@@ -556,6 +555,7 @@ BATCH_SHAPES: list[tuple[str, Any, Any]] = [
 ]
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize(("make", "loss_fn"), [c[1:] for c in BATCH_SHAPES], ids=[c[0] for c in BATCH_SHAPES])
 def test_every_batch_shape_is_estimated_like_a_real_step(make, loss_fn):
     est, _ = _close_to_real(KwNet(), torch.optim.AdamW, make(*_xy()), loss_fn)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cpu_reference import skip_unless_cpu_runs
+from cpu_reference import measure_reference
 from resource_guard import ResourceGuardWarning
 from resource_guard.estimate import estimate_memory, measure_training_step
 from resource_guard.estimate.attached import attached_tensors
@@ -106,6 +106,7 @@ def test_fake_model_fakes_attached_tensors_and_keeps_parameter_attributes():
     assert fake_net._weight_t.untyped_storage() is fake_net.fc.weight.untyped_storage()
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize(
     "build", [_quant_net, lambda: _cached()], ids=["quantized-parameter", "cached-attribute"]
 )
@@ -155,6 +156,7 @@ def _bnb_net(bits: int):
     return model, opt, (torch.randn(32, 64), torch.randint(0, 10, (32,)))
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("bits", [4, 8])
 def test_bitsandbytes_layers_are_traced_exactly(bits):
     model, opt, batch = _bnb_net(bits)
@@ -224,14 +226,14 @@ def _opaque_net():
     return model, opt, (torch.randn(8, 512), torch.randint(0, 10, (8,)))
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_a_custom_operator_runs_through_its_composite_kernel_and_its_temporaries_count(precision):
     model, opt, batch = _opaque_net()
     est = estimate_memory(model, opt, batch, _ce, device="cpu", precision=precision)
-    skip_unless_cpu_runs(est)
     assert any("rg_test_attached::dequant_linear` (1x): traced through" in w for w in est.warnings)
     model, opt, batch = _opaque_net()
-    true = measure_training_step(model, opt, batch, _ce, precision=precision).peak_bytes
+    true = measure_reference(est, model, opt, batch, _ce, precision=precision).peak_bytes
     assert est.peak_bytes == pytest.approx(true, rel=0.005)
     # the fake rule alone (outputs only) misses the dequantized weight: 1 MiB in fp32 at the peak
     assert true - _outputs_only(precision) >= 512 * 512 * 4

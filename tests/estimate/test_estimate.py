@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from cpu_reference import skip_unless_cpu_runs
+from cpu_reference import measure_reference
 from resource_guard import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import CATEGORIES, estimate_memory, measure_training_step, recovery
 
@@ -30,9 +30,8 @@ def _check_against_truth(build, precision: str = "32-true", tolerance: float = 0
     model, opt, batch, loss_fn = build()
     est = estimate_memory(model, opt, batch, loss_fn, precision=precision, device="cpu")
     assert est.method == "traced", est.warnings
-    skip_unless_cpu_runs(est)
     model, opt, batch, loss_fn = build()
-    truth = measure_training_step(model, opt, batch, loss_fn, precision=precision)
+    truth = measure_reference(est, model, opt, batch, loss_fn, precision=precision)
     assert abs(_rel_error(est.peak_bytes, truth.peak_bytes)) <= tolerance, (est.peak_bytes, truth.peak_bytes)
 
 
@@ -207,12 +206,14 @@ def _lstm():
     )
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("build", [_mlp, _conv, _lstm], ids=["mlp", "conv-batchnorm", "lstm"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_estimate_matches_real_cpu_step(build, precision):
     _check_against_truth(build, precision)
 
 
+@pytest.mark.cpu_reference
 def test_16_mixed_with_loss_scaling_matches_real_cpu_step():
     _check_against_truth(_mlp, "16-mixed")
 
@@ -240,6 +241,7 @@ def _data_dependent():
     return model, torch.optim.SGD(model.parameters(), lr=0.1), (torch.randn(64, 32), mask), None
 
 
+@pytest.mark.cpu_reference
 def test_batch_dependent_values_are_computed_not_assumed():
     model, opt, batch, _ = _data_dependent()
     est = estimate_memory(model, opt, batch)
@@ -279,6 +281,7 @@ class _Untraceable(nn.Module):
         return y[:, : max(1, distinct % 16)].sum()
 
 
+@pytest.mark.cpu_reference
 def test_untraceable_model_falls_back_to_a_conservative_analytic_estimate(monkeypatch):
     monkeypatch.setattr(recovery, "REAL_BUDGET_BYTES", 0)  # `unique` may not run for real on zeros
     torch.manual_seed(0)
@@ -319,6 +322,7 @@ def test_two_estimates_of_the_same_input_are_identical():
     assert (a.peak_bytes, dict(a.breakdown), a.peak_op) == (b.peak_bytes, dict(b.breakdown), b.peak_op)
 
 
+@pytest.mark.cpu_reference
 def test_stepped_optimizer_state_is_used_not_duplicated():
     model, opt, batch, loss_fn = _mlp()
     fresh = estimate_memory(model, opt, batch, loss_fn)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from cpu_reference import skip_unless_cpu_runs
+from cpu_reference import reference_checked, skip_unless_cpu_runs
 from resource_guard import ConfigurationError
 from resource_guard.estimate import estimate_memory
 from resource_guard.estimate.eval_step import EVAL_PHASE, estimate_eval_memory, measure_eval_step
@@ -66,13 +66,15 @@ def _check(build, precision: str, with_optimizer: bool, kept: bool) -> None:
     skip_unless_cpu_runs(est)
     real = copy.deepcopy(model)
     real_opt = torch.optim.AdamW(real.parameters()) if with_optimizer else None
-    truth = measure_eval_step(
-        real, batch, loss_fn, optimizer=real_opt, gradients_kept=kept, precision=precision
-    )
+    with reference_checked(est):
+        truth = measure_eval_step(
+            real, batch, loss_fn, optimizer=real_opt, gradients_kept=kept, precision=precision
+        )
     error = est.peak_bytes / truth.peak_bytes - 1
     assert 0 <= error <= 0.03, (est.peak_bytes, truth.peak_bytes, error)
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize(
     "build", [_mlp, _conv, pytest.param(_gpt2, marks=pytest.mark.slow)], ids=IDS
 )  # a GPT-2 training step, then an eval step, measured for real: a few seconds each
@@ -82,6 +84,7 @@ def test_eval_estimate_matches_real_cpu_eval_step_in_fit(build, precision):
     _check(build, precision, with_optimizer=True, kept=True)
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("build", BUILDS, ids=IDS)
 def test_eval_estimate_matches_real_cpu_eval_step_alone(build):
     """`trainer.validate` / a plain loop after `zero_grad()`: parameters only."""

@@ -116,6 +116,7 @@ def test_a_fully_sharded_module_gets_a_traced_per_rank_estimate_that_says_so(glo
     assert all(p.grad is None for p in model.parameters()) and not opt.state
 
 
+@pytest.mark.cpu_reference
 def test_one_rank_estimate_matches_the_real_fsdp2_step(gloo: None) -> None:
     for policy in (None, _bf16(torch.float32)):
         model = _sharded(policy)

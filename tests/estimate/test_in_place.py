@@ -67,6 +67,7 @@ def _both(cls: type[nn.Module], precision: str):
     return est, measure_training_step(model, opt, batch, loss_fn, precision=precision).peak_bytes
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("cls", [_Gather, _Index], ids=["gather", "index"])
 def test_a_backward_that_fills_a_zero_buffer_in_place_is_counted_once(cls):
     est, truth = _both(cls, "32-true")
@@ -76,11 +77,13 @@ def test_a_backward_that_fills_a_zero_buffer_in_place_is_counted_once(cls):
     assert replayed == pytest.approx(truth, rel=0.005)
 
 
+@pytest.mark.cpu_reference
 def test_bf16_scatter_add_on_cpu_counts_its_float32_accumulator():
     est, truth = _both(_Gather, "bf16-mixed")
     assert est.peak_bytes == pytest.approx(truth, rel=0.005)
 
 
+@pytest.mark.cpu_reference
 def test_the_users_own_out_of_place_op_on_fresh_zeros_stays_a_copy():
     est, truth = _both(_UserScatter, "32-true")
     assert est.peak_bytes == pytest.approx(truth, rel=0.005)

@@ -109,6 +109,7 @@ class _Tied(nn.Module):
         return self.lin(torch.tanh(self.lin(torch.tanh(self.lin(x)))))
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize(("build", "optimizer"), [(_model, "AdamW"), (_model, "SGD"), (_Tied, "AdamW")])
 def test_a_later_step_is_what_a_real_last_accumulation_micro_step_shows(build, optimizer) -> None:
     # the real last micro-step of accumulation: it starts with the earlier micro-steps' gradients

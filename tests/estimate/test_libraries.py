@@ -27,6 +27,7 @@ def _llama():
     return model, torch.optim.AdamW(model.parameters()), {"input_ids": ids, "labels": ids.clone()}
 
 
+@pytest.mark.cpu_reference
 def test_a_checkpointed_llama_without_a_mask_is_traced_as_the_real_step_runs_it():
     # without `as_real_step` transformers saw a FakeTensor as "tracing" and built a 4-D causal mask that
     # the real step skips (SDPA's is_causal): +1.6% here

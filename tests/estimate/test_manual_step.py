@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cpu_reference import skip_unless_cpu_runs
+from cpu_reference import reference_checked, skip_unless_cpu_runs
 from resource_guard import ConfigurationError, DoesNotFitError, plan
 from resource_guard.estimate import UserStep, estimate_memory, measure_user_step
 
@@ -60,19 +60,22 @@ def gan_step(s) -> None:
     opt_d.zero_grad()
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_gan_step_matches_a_real_cpu_step(precision):
     model, optimizers, batch = build_gan()
     est = estimate_memory(model, optimizers, batch, UserStep(gan_step), precision=precision, device="cpu")
     skip_unless_cpu_runs(est)
     real_model, real_optimizers, real_batch = build_gan()
-    truth = measure_user_step(
-        real_model, real_optimizers, real_batch, UserStep(gan_step), precision=precision
-    )
+    with reference_checked(est):
+        truth = measure_user_step(
+            real_model, real_optimizers, real_batch, UserStep(gan_step), precision=precision
+        )
     assert est.traced
     assert abs(est.peak_bytes / truth.peak_bytes - 1) <= 0.03, (est.peak_bytes, truth.peak_bytes)
 
 
+@pytest.mark.cpu_reference
 def test_every_optimizers_state_is_counted_exactly():
     model, _, batch = build_gan()
     opt_g = torch.optim.Adam(model["g"].parameters())  # two moments and a step per parameter
@@ -83,7 +86,8 @@ def test_every_optimizers_state_is_counted_exactly():
         torch.optim.Adam(real_model["g"].parameters()),
         torch.optim.SGD(real_model["d"].parameters(), 0.1, 0.9),
     ]
-    measure_user_step(real_model, real, batch, UserStep(gan_step))
+    with reference_checked(est):
+        measure_user_step(real_model, real, batch, UserStep(gan_step))
     state_bytes = sum(
         v.untyped_storage().nbytes()
         for o in real
@@ -162,6 +166,7 @@ def test_plan_takes_a_user_step_and_fails_fast_under_a_cap():
         plan(model, optimizers, batch, UserStep(gan_step), device="cpu", memory_limit="1MiB")
 
 
+@pytest.mark.cpu_reference
 def test_a_step_that_cannot_be_traced_falls_back_to_an_upper_bound_with_every_optimizer():
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -177,7 +182,8 @@ def test_a_step_that_cannot_be_traced_falls_back_to_an_upper_bound_with_every_op
         est = estimate_memory(model, optimizers, batch, UserStep(untraceable), device="cpu")
     assert est.method == "analytic"
     real_model, real_optimizers, real_batch = build_gan()
-    truth = measure_user_step(real_model, real_optimizers, real_batch, UserStep(gan_step))
+    with reference_checked(est):
+        truth = measure_user_step(real_model, real_optimizers, real_batch, UserStep(gan_step))
     assert est.peak_bytes >= truth.peak_bytes
     assert est.breakdown["optimizer_state"] >= state_of(real_optimizers)
 

@@ -51,6 +51,7 @@ def _moe():
     return model, torch.optim.AdamW(model.parameters()), torch.randn(64, 32), lambda m, b: m(b)
 
 
+@pytest.mark.cpu_reference
 def test_grouped_mm_is_recovered_by_its_corrected_rule_and_exact():
     est = _estimate(_moe)
     assert est.method == TRACED_RECOVERED
@@ -85,6 +86,7 @@ def _ctc():
     return model, torch.optim.AdamW(model.parameters()), batch, lambda m, b: m(b)
 
 
+@pytest.mark.cpu_reference
 def test_ctc_loss_is_recovered_with_the_batchs_real_target_lengths():
     est = _estimate(_ctc)
     assert est.method == TRACED_RECOVERED
@@ -116,6 +118,7 @@ def _checks():
     return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 16), lambda m, b: m(b)
 
 
+@pytest.mark.cpu_reference
 def test_value_checks_pass_layerdrop_keeps_layers_numpy_reads_zeros():
     est = _estimate(_checks)
     assert est.method == TRACED_RECOVERED
@@ -185,6 +188,7 @@ def _scan():
     return model, torch.optim.AdamW(model.parameters()), torch.randn(128, 64), lambda m, b: m(b)
 
 
+@pytest.mark.cpu_reference
 def test_gradient_fan_in_is_accumulated_in_place_as_autograd_does():
     est = _estimate(_scan)
     assert est.method == TRACED

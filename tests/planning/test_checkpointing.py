@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from cpu_reference import skip_unless_cpu_runs
+from cpu_reference import measure_reference
 from resource_guard import ConfigurationError
-from resource_guard.estimate import estimate_memory, measure_training_step
+from resource_guard.estimate import estimate_memory
 from resource_guard.planning.checkpointing import apply_checkpointing, find_checkpoint_blocks
 
 
@@ -150,6 +150,7 @@ def test_checkpointing_survives_deepcopy_and_pickle_on_the_copy():
     handle.remove()
 
 
+@pytest.mark.cpu_reference
 def test_estimate_with_checkpointing_is_lower_and_matches_a_real_step():
     def build() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
         torch.manual_seed(0)
@@ -161,10 +162,9 @@ def test_estimate_with_checkpointing_is_lower_and_matches_a_real_step():
     with apply_checkpointing(model):
         ckpt = estimate_memory(model, opt, x, _loss, device="cpu")
     assert ckpt.peak_bytes < plain.peak_bytes
-    skip_unless_cpu_runs(ckpt)
     model, opt, x = build()
     apply_checkpointing(model)
-    real = measure_training_step(model, opt, x, _loss)
+    real = measure_reference(ckpt, model, opt, x, _loss)
     assert abs(ckpt.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes
 
 

@@ -380,6 +380,7 @@ def _real_peak(build, micro: int, sample: torch.Tensor, ckpt: bool = False, targ
     return measure_training_step(model, opt, step, _loss, gradients_kept=micro < target).peak_bytes
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("build", "sample", "target", "cap", "ckpt"),

@@ -108,3 +108,37 @@ def test_matplotlib_is_imported_only_to_draw_and_pyplot_never() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_guards_memory_png_draws_the_capacity_the_plan_used_not_the_hosts_ram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``resource-guard demo`` plans under a 256 MiB cap on the CPU: the picture's line is that cap (the
+    report still holds the process RSS against the host's RAM, which is what it measures)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from resource_guard import guard
+    from resource_guard.observe import outputs
+
+    drawn: list[int | None] = []
+
+    def recording(timeline: object, capacity_bytes: int | None, **kwargs: object) -> np.ndarray:
+        drawn.append(capacity_bytes)
+        return memory_picture(timeline, capacity_bytes, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(outputs, "memory_picture", recording)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    loader = DataLoader(TensorDataset(torch.randn(128, 32), torch.randn(128, 1)), batch_size=64)
+
+    def loss_fn(m: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+    optimizer = torch.optim.AdamW(model.parameters())
+    limit = 2 * estimate_memory(model, optimizer, next(iter(loader)), loss_fn, device="cpu").peak_bytes
+    with guard(model, optimizer, loss_fn=loss_fn, memory_limit=limit, log_dir=tmp_path, profile=False) as g:
+        for batch in g.iterate(loader):
+            g.backward(loss_fn(model, batch))
+    assert g.plan is not None and g.plan.fit.capacity_bytes == limit
+    assert drawn == [limit]
+    png = np.asarray(Image.open(tmp_path / "memory.png").convert("RGB"))
+    assert _count(png, CAPACITY_RED) > 300  # drawn across the plot, not "off scale" as the host's RAM was

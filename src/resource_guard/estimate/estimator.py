@@ -23,7 +23,7 @@ from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import kernels as _kernels
 from resource_guard.estimate.analytic import analytic_estimate
 from resource_guard.estimate.composite import CompositeOps
-from resource_guard.estimate.cpu_support import CpuKernelSupport
+from resource_guard.estimate.cpu_support import CpuStepCheck
 from resource_guard.estimate.fake_world import (
     AS_SET,
     FOR_LOOP,
@@ -163,10 +163,10 @@ def _trace(
     started = time.perf_counter()
     # the forward runs as on the target: CUDA's autocast policy and attention kernels on a GPU target
     step_spec, step_loss_fn, forward = target_forward(target or Target(device_kind), spec, loss_fn)
-    unsupported: list[CpuKernelSupport] = []
+    cpu_check = CpuStepCheck() if device_kind == "cpu" else None
     composite = CompositeOps(device_kind, cpu_autocast=step_spec.autocast_dtype)
     tracker = StorageTracker(
-        functools.partial(_kernels.kernel_extra, device_kind=device_kind, cpu_unsupported=unsupported),
+        functools.partial(_kernels.kernel_extra, device_kind=device_kind, cpu_check=cpu_check),
         composite=composite,
     )
     if rank_buffers is not None:  # FSDP2: one rank's gathered units and reduce buffers, in the trace
@@ -175,6 +175,7 @@ def _trace(
     spans: list[tuple[str, int, int]] = []
     with as_real_step(), fake_numpy(tracker.recovery), fake_mode, tracker, forward:
         world = FakeStep(model, optimizer, batch, spec, tracker)
+        hooks = cpu_check.watch(world.model) if cpu_check is not None else []
         world.warm_up_optimizer()
         for st in (s for opt in world.optimizers for s in opt.state.values()):
             for v in st.values():
@@ -219,13 +220,18 @@ def _trace(
             )
         spans.append((current[0], current[1], len(tracker.events)))
         tracker.detach()
+        for hook in hooks:
+            hook.remove()
 
     variant = AS_SET if AS_SET in variants else (FOREACH if device_kind in ("cuda", "rocm") else FOR_LOOP)
     best, phase_peaks = _select(tracker, variant)
     params = {id(p): p for p in model.parameters()}.values()
     recovered = tracker.recovery.summary()
     notes = [f"recovered {line}" for line in recovered] + composite.notes()
+    unsupported = cpu_check.unsupported if cpu_check is not None else ()
+    unknown = cpu_check.unknown if cpu_check is not None else ()
     notes += [f"this CPU cannot run the step: {u.describe()}" for u in unsupported]
+    notes += [f"this CPU may not run the step (unknown): {u.describe()}" for u in unknown]
     keep = lambda ph: not ph.startswith("optimizer:") or ph == f"optimizer:{variant}"  # noqa: E731
     persistent = sum(best.breakdown[c] for c in ("parameters", "optimizer_state", "other"))
     return MemoryEstimate(
@@ -243,6 +249,7 @@ def _trace(
         phase_peak_bytes=phase_peaks,
         warnings=tuple(notes),
         cpu_unsupported=tuple(u.describe() for u in unsupported),
+        cpu_unknown=tuple(u.describe() for u in unknown),
         timeline=_downsample(tracker.timeline, keep),
         allocations=tuple(_events_for(tracker, spans, variant)),
         initial_allocations=initial,

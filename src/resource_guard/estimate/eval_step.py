@@ -52,7 +52,7 @@ from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import kernels as _kernels
 from resource_guard.estimate.analytic import analytic_estimate
 from resource_guard.estimate.composite import CompositeOps
-from resource_guard.estimate.cpu_support import CpuKernelSupport
+from resource_guard.estimate.cpu_support import CpuStepCheck
 from resource_guard.estimate.estimator import _default_kind, _device_kind, _first_line, unwrap_model
 from resource_guard.estimate.fake_world import FakeStep, isolated_global_state, target_forward
 from resource_guard.estimate.fsdp2 import is_fully_sharded
@@ -126,14 +126,15 @@ def _trace(
 ) -> MemoryEstimate:
     started = time.perf_counter()
     step_spec, step_loss_fn, forward = target_forward(target, spec, loss_fn)
-    unsupported: list[CpuKernelSupport] = []
+    cpu_check = CpuStepCheck() if kind == "cpu" else None  # what of the step this CPU can run
     composite = CompositeOps(kind, cpu_autocast=step_spec.autocast_dtype)
     tracker = StorageTracker(
-        functools.partial(_kernels.kernel_extra, device_kind=kind, cpu_unsupported=unsupported),
+        functools.partial(_kernels.kernel_extra, device_kind=kind, cpu_check=cpu_check),
         composite=composite,
     )
     with as_real_step(), fake_numpy(tracker.recovery), _fake_mode(), tracker, forward:
         world = FakeStep(model, optimizer if optimizer is not None else _stateless, batch, spec, tracker)
+        hooks = cpu_check.watch(world.model) if cpu_check is not None else []
         if optimizer is not None:
             world.warm_up_optimizer()
             for opt in world.optimizers:  # every optimizer's state (a GAN's two)
@@ -156,11 +157,16 @@ def _trace(
         del out
         tracker.start_phase("done")
         tracker.detach()
+        for hook in hooks:
+            hook.remove()
     best = max(tracker.peaks.values(), key=lambda r: r.bytes)
     params = {id(p): p for p in model.parameters()}.values()
     recovered = tracker.recovery.summary()
     notes = [f"recovered {line}" for line in recovered] + composite.notes()
+    unsupported = cpu_check.unsupported if cpu_check is not None else ()
+    unknown = cpu_check.unknown if cpu_check is not None else ()
     notes += [f"this CPU cannot run the step: {u.describe()}" for u in unsupported]
+    notes += [f"this CPU may not run the step (unknown): {u.describe()}" for u in unknown]
     resident = "parameters" + (", optimizer state" if optimizer is not None else "")
     resident += ", gradients" if any(with_grad) else ""
     persistent = sum(best.breakdown[c] for c in ("parameters", "optimizer_state", "other"))
@@ -179,6 +185,7 @@ def _trace(
         phase_peak_bytes={EVAL_PHASE: best.bytes},
         warnings=tuple(notes),
         cpu_unsupported=tuple(u.describe() for u in unsupported),
+        cpu_unknown=tuple(u.describe() for u in unknown),
         allocations=tuple(tracker.events),
         initial_allocations=initial,
         trace_seconds=time.perf_counter() - started,

@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from resource_guard.estimate.cpu_support import CHECKED_OPS, CpuKernelSupport, cpu_can_run, reduced_gemm_packs
+from resource_guard.estimate.cpu_support import CpuStepCheck, reduced_gemm_packs
 from resource_guard.estimate.quiet import quiet_profile
 
 __all__ = ["KernelExtra", "PROBE_BUDGET_BYTES", "PROBE_BUDGET_FLOPS", "kernel_extra"]
@@ -239,7 +239,7 @@ def kernel_extra(
     size_of: Callable[[torch.Tensor], int | None],
     *,
     device_kind: str = "cpu",
-    cpu_unsupported: list[CpuKernelSupport] | None = None,
+    cpu_check: CpuStepCheck | None = None,
 ) -> KernelExtra | None:
     """Scratch and true output sizes of the real kernel of ``func``, or ``None`` if it has none.
 
@@ -247,12 +247,12 @@ def kernel_extra(
     ``device_kind`` is the target's: the CPU-only kernels (oneDNN's reduced-precision GEMMs, which
     pack their operands into scratch where this CPU lets oneDNN run them, and the CPU flash attention)
     are probed only for CPU targets; on CUDA, cuBLAS works in its workspace (see
-    :mod:`resource_guard.estimate.allocator`). For a CPU target, an operator this CPU has no kernel
-    for (:func:`~resource_guard.estimate.cpu_support.cpu_can_run`) is appended to ``cpu_unsupported``.
+    :mod:`resource_guard.estimate.allocator`). For a CPU target, ``cpu_check`` is told each operator
+    (:class:`~resource_guard.estimate.cpu_support.CpuStepCheck`: what this CPU can run of the step).
     """
     cpu = device_kind == "cpu"
-    if cpu and cpu_unsupported is not None:
-        _check_cpu_kernel(func, args, cpu_unsupported)
+    if cpu and cpu_check is not None:
+        cpu_check.saw_op(func, args)
     if func in _MATMULS:
         copied = _blas_copy_bytes(func, args)
         dtype = next((t.dtype for t in args[:3] if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
@@ -313,18 +313,6 @@ def _rule(args: tuple, kwargs: dict, out: Any, factor: float) -> KernelExtra:
     """``factor`` × the largest tensor of the call: the scratch when no probe is run."""
     tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
     return KernelExtra(int(max((_bytes_of(t) for t in tensors), default=0) * factor))
-
-
-def _check_cpu_kernel(func: Any, args: tuple, found: list[CpuKernelSupport]) -> None:
-    name = str(func).rsplit(".", 1)[0]  # aten.mkldnn_rnn_layer.default -> aten.mkldnn_rnn_layer
-    if name not in CHECKED_OPS:
-        return
-    dtype = next((t.dtype for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), None)
-    if dtype is None:
-        return
-    support = cpu_can_run(name, dtype)
-    if not support.runs and support not in found:
-        found.append(support)
 
 
 def _probe_or_rule(

@@ -52,9 +52,12 @@ class MemoryEstimate:
         trace_seconds: time the estimate took.
         assumed_target: the device behaviour the step was traced as, stated in every summary:
             ``"as on cuda sm80 (a100-40gb), bf16-mixed, autocast policy: cuda, attention: flash×24"``.
-        cpu_unsupported: for a CPU target, the step's operators this machine's CPU has no kernel for
-            (e.g. ``"aten.mkldnn_rnn_layer in bf16 (oneDNN's bf16 LSTM needs AVX-512; …)"``): a real
-            step here would fail; ``warnings`` says so too. Empty when the CPU runs the step.
+        cpu_unsupported: for a CPU target, the step's calls this machine's CPU was probed to fail, each
+            probed as the step makes it (e.g. ``"nn.LSTM in fp32 under bf16 autocast, training
+            (oneDNN's bf16 LSTM needs AVX-512; …)"``; :mod:`~resource_guard.estimate.cpu_support`): a
+            real step here would fail; ``warnings`` says so too. Empty when the CPU runs the step.
+        cpu_unknown: for a CPU target, the step's operators whose kernel may be missing on some CPU and
+            that no probe could answer (e.g. a direct ``torch.lstm`` call); ``warnings`` says so too.
         recovered_ops: for ``"traced-recovered"``: one line per operator and way it was recovered,
             e.g. ``"`_grouped_mm`: a corrected fake rule (12x)"``.
     """
@@ -79,6 +82,7 @@ class MemoryEstimate:
     trace_seconds: float = 0.0
     assumed_target: str = ""
     cpu_unsupported: tuple[str, ...] = ()
+    cpu_unknown: tuple[str, ...] = ()
     recovered_ops: tuple[str, ...] = ()
 
     @property
@@ -152,4 +156,5 @@ class MemoryEstimate:
             "trace_seconds": round(self.trace_seconds, 3),
             "assumed_target": self.assumed_target,
             "cpu_unsupported": list(self.cpu_unsupported),
+            "cpu_unknown": list(self.cpu_unknown),
         }

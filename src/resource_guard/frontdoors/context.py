@@ -305,6 +305,7 @@ class Guard:
                 device=self.device or "cpu",
                 estimate=plan.estimate,
                 capacity_bytes=_monitor_capacity(plan, self.device),
+                planned_capacity_bytes=plan.fit.capacity_bytes,
                 device_spec=plan.device,
                 profile=self._profile,
                 precision=plan.precision,

@@ -419,6 +419,7 @@ class ResourceGuard(Callback):
             profile=self.profile,
             estimate=made.estimate if made is not None else None,
             capacity_bytes=made.fit.capacity_bytes if on_gpu and made is not None else None,
+            planned_capacity_bytes=made.fit.capacity_bytes if made is not None else None,
             device_spec=made.device
             if on_gpu and made is not None and made.device.source == "detected"
             else None,

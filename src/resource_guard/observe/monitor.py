@@ -77,7 +77,10 @@ class RunMonitor(MonitorOutputs):
         log_every_n_steps: steps per logged interval.
         profile: a :class:`ProfileWindow`, ``True`` for the default window, ``False`` for none.
         estimate: the pre-flight :class:`~resource_guard.MemoryEstimate` (drift, memory PNG).
-        capacity_bytes: device capacity; default from ``device_spec``, CUDA or the host RAM.
+        capacity_bytes: device capacity the measured peak is held against; default from
+            ``device_spec``, CUDA or the host RAM.
+        planned_capacity_bytes: the capacity the plan fitted the step into (a ``memory_limit``, or the
+            device's), drawn as the memory picture's capacity line; default ``capacity_bytes``'s.
         device_spec: catalog facts (peak TFLOP/s for MFU, bf16/TF32/tensor cores for the rules).
         writer: an existing ``SummaryWriter`` (never closed here); ``None`` creates one in ``log_dir``.
         rank / world_size: this process's rank; only rank zero writes.
@@ -105,6 +108,7 @@ class RunMonitor(MonitorOutputs):
         profile: ProfileWindow | bool = True,
         estimate: MemoryEstimate | None = None,
         capacity_bytes: int | None = None,
+        planned_capacity_bytes: int | None = None,
         device_spec: DeviceSpec | None = None,
         writer: Any | None = None,
         rank: int = 0,
@@ -144,8 +148,10 @@ class RunMonitor(MonitorOutputs):
             and 0 <= rank < world_size
         ):
             raise bad("rank", rank, f"an int in [0, world_size={world_size!r})")
-        if capacity_bytes is not None and not (isinstance(capacity_bytes, int) and capacity_bytes > 0):
-            raise bad("capacity_bytes", capacity_bytes, "a positive int or None")
+        capacities = {"capacity_bytes": capacity_bytes, "planned_capacity_bytes": planned_capacity_bytes}
+        for name, value in capacities.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise bad(name, value, "a positive int or None")
         if flops_per_step is not None and not (
             isinstance(flops_per_step, (int, float)) and flops_per_step > 0
         ):
@@ -161,6 +167,7 @@ class RunMonitor(MonitorOutputs):
         self.log_every_n_steps = log_every_n_steps
         self.profile_window: ProfileWindow | None = profile or None
         self.estimate, self.capacity_bytes, self.device_spec = estimate, capacity_bytes, device_spec
+        self.planned_capacity_bytes = planned_capacity_bytes
         self.rank, self.world_size, self.stall_threshold = rank, world_size, float(stall_threshold)
         self.loader_info = dict(loader_info or {})
         self.flops_per_step, self.precision, self.summary = flops_per_step, precision, summary

@@ -73,6 +73,7 @@ class MonitorOutputs:
     _notes: list[str]
     shape_stats: Any
     capacity_bytes: int | None
+    planned_capacity_bytes: int | None
     precision: str | None
     loader_info: dict[str, Any]
 
@@ -166,6 +167,10 @@ class MonitorOutputs:
     def _memory_growth(self) -> dict[str, Any] | None:
         trend = self._guard("memory growth", self._memory.trend) if self._memory is not None else None
         return None if trend is None else trend.to_dict()
+
+    def _planned_capacity(self) -> int | None:
+        """The memory picture's capacity line: what the plan fitted the step into."""
+        return self.planned_capacity_bytes if self.planned_capacity_bytes is not None else self._capacity()
 
     def _capacity(self) -> int | None:
         if self.capacity_bytes is not None:
@@ -279,8 +284,10 @@ class MonitorOutputs:
         picture = None
         if self.estimate is not None and self.estimate.timeline:
             title = f"pre-flight memory of one step ({self.estimate.precision}) vs {self.device}"
+            # the line is the capacity the plan fitted the step into (a memory_limit), not the host's RAM
+            capacity = self._planned_capacity()
             picture = self._guard(
-                "memory picture", memory_picture, self.estimate.timeline, self._capacity(), title=title
+                "memory picture", memory_picture, self.estimate.timeline, capacity, title=title
             )
         if self._tb is not None:
             tb = self._tb
