@@ -157,3 +157,26 @@ def test_the_planner_refuses_an_analytic_estimate_unless_allowed(monkeypatch):
         made = plan(model, torch.optim.SGD, torch.randn(8, 16), device="cpu", allow_rough=True)
     assert made.estimate.method == "analytic"
     assert any("method: analytic upper bound" in r for r in made.reasons)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_convolutions_without_native_reduced_kernels_count_im2col_columns(monkeypatch, native):
+    # an AVX2-only CPU in bf16 (most CPUs in fp16): oneDNN has no kernel, ATen's slow_conv2d allocates
+    # full-batch im2col columns, twice in backward; the bound was 4.4% below a real conv+BN step there
+    from resource_guard.estimate import cpu_support
+
+    monkeypatch.setattr(cpu_support, "reduced_gemm_packs", lambda dtype: native)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 5, padding=2))
+    batch = torch.randn(4, 3, 32, 32)
+    spec = parse_precision("bf16-mixed")
+    est = analytic_estimate(model, torch.optim.SGD, batch, spec, "cpu", reason="forced")
+    fp32 = analytic_estimate(
+        model, torch.optim.SGD, batch, parse_precision("32-true"), "cpu", reason="forced"
+    )
+    monkeypatch.setattr(cpu_support, "reduced_gemm_packs", lambda dtype: True)
+    packed = analytic_estimate(model, torch.optim.SGD, batch, spec, "cpu", reason="forced")
+    columns = 4 * 32 * 32 * (8 * 5 * 5) * 2  # the 5x5 conv's: batch x positions x (in x kernel) in bf16
+    extra = est.breakdown["activations"] - packed.breakdown["activations"]
+    assert extra == (0 if native else 2 * columns)
+    assert ("im2col" in est.warnings[1]) is not native
+    assert "im2col" not in fp32.warnings[1]  # float32 convolutions have oneDNN kernels everywhere

@@ -15,7 +15,10 @@ What it counts, and how sure each part is:
   Functional code that creates tensors larger than any module's output (a custom op on an expanded
   tensor) is outside what it can see;
 - kernel scratch: on a CPU target, :data:`CPU_CONV_SCRATCH_BYTES` where there are depthwise
-  (grouped) convolutions;
+  (grouped) convolutions; and in bf16/fp16 on a CPU whose oneDNN has no kernels in that dtype (an
+  AVX2-only CPU in bf16, most CPUs in fp16: :func:`~resource_guard.estimate.cpu_support.reduced_gemm_packs`),
+  where convolutions run as ATen's im2col ``slow_conv2d``, two full-batch column buffers of the largest
+  convolution (backward recomputes the columns beside their gradient);
 - temporaries: the optimizer's own (a parameter-sized tensor per state on a foreach target, two of the
   largest parameter otherwise), plus :data:`MARGIN` of everything.
 
@@ -165,14 +168,15 @@ def _leaf_width(m: nn.Module) -> int | None:
     return width
 
 
-def _activation_bound(model: nn.Module, batch: Any, spec: PrecisionSpec) -> int:
+def _activation_bound(model: nn.Module, batch: Any, spec: PrecisionSpec) -> tuple[int, int]:
+    """``(activation bytes, bytes of the largest convolution's im2col columns)``, from one walk."""
     tokens, signal = _inputs(batch, model)
     batch_size = batch_size_of(batch) or 1
     widest = max((w for m in model.modules() if (w := _width(m)) is not None), default=1)
     compute = spec.compute_dtype.itemsize
     positions = float(tokens or signal or batch_size)  # what the module being visited sees
     most = positions
-    total, last = 0.0, None
+    total, last, columns = 0.0, None, 0.0
     for m in model.modules():  # in definition order, parents before their children
         heads = _heads(m)
         if heads:
@@ -189,12 +193,15 @@ def _activation_bound(model: nn.Module, batch: Any, spec: PrecisionSpec) -> int:
             source = signal if signal is not None else positions
             signal = None
             positions = max(1.0, source / shrink)
+        if isinstance(m, nn.modules.conv._ConvNd):  # im2col: in_channels × kernel rows per output position
+            rows = m.in_channels // m.groups * math.prod(m.kernel_size)
+            columns = max(columns, positions * rows * compute)
         last = _leaf_width(m) or last
         total += ACTIVATION_FACTOR * positions * (last or widest) * compute
         most = max(most, positions)
     # the loss: float32 log-probabilities over the widest output, and their gradient
     total += 2 * most * widest * 4
-    return int(total)
+    return int(total), int(columns)
 
 
 def analytic_estimate(
@@ -226,12 +233,15 @@ def analytic_estimate(
         state_bytes = optimizer_states_per_param(optimizer) * trainable_bytes
         layout = "parameter-sized tensors per parameter by its type"
     input_bytes = sum(t.numel() * t.element_size() for t in iter_tensors(batch))
-    activations = _activation_bound(model, batch, spec)
+    activations, columns = _activation_bound(model, batch, spec)
     if spec.autocast_dtype is not None:
         activations += trainable_bytes // 2  # autocast's low-precision copies of the weights
     grouped = (m for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups > 1)
     if device_kind == "cpu" and next(grouped, None) is not None:
         activations += CPU_CONV_SCRATCH_BYTES
+    im2col = _cpu_im2col(spec, device_kind)
+    if im2col:
+        activations += 2 * columns
     largest = max((size(p) for p in trainable), default=0)
     states = max(1, round(state_bytes / trainable_bytes)) if trainable_bytes else 1
     temporaries = states * trainable_bytes if device_kind in ("cuda", "rocm") else 2 * largest
@@ -253,6 +263,8 @@ def analytic_estimate(
         f"activations bounded by {ACTIVATION_FACTOR} tensors per leaf output at every position, attention "
         f"scores and the loss, plus {MARGIN:.0%}"
     )
+    if im2col and columns:
+        how += f"; {im2col}"
     return MemoryEstimate(
         peak_bytes=sum(breakdown.values()),
         breakdown=breakdown,
@@ -266,3 +278,16 @@ def analytic_estimate(
         persistent_bytes=param_bytes + buffer_bytes + state_bytes,
         warnings=(reason, how),
     )
+
+
+def _cpu_im2col(spec: PrecisionSpec, device_kind: str) -> str | None:
+    """Why a CPU target's convolutions run as ATen's im2col here, or ``None`` where they need not."""
+    dtype = spec.compute_dtype
+    if device_kind != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    from resource_guard.estimate.cpu_support import reduced_gemm_packs
+
+    if reduced_gemm_packs(dtype):
+        return None
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    return f"this CPU's oneDNN has no {name} kernels: convolutions counted as im2col (two column buffers)"
