@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 # the library's own fd-level silencing (re-exported for the benchmarks that measure with the profiler)
-from resource_guard.estimate.quiet import native_stderr_silenced
+from resource_guard.estimate.host.quiet import native_stderr_silenced
 
 __all__ = [
     "CASES",

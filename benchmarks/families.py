@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import native_stderr_silenced  # noqa: E402
 
 from resource_guard.estimate import estimate_memory, measure_training_step  # noqa: E402
-from resource_guard.estimate.measure import live_bytes  # noqa: E402
-from resource_guard.estimate.quiet import quiet_profile  # noqa: E402
+from resource_guard.estimate.host.measure import live_bytes  # noqa: E402
+from resource_guard.estimate.host.quiet import quiet_profile  # noqa: E402
 from resource_guard.step.precision import parse_precision  # noqa: E402
 from resource_guard.step.training import training_step  # noqa: E402
 

@@ -136,7 +136,7 @@ def measured_and_estimated(strategy: str) -> tuple[int, int | None]:
 
 def predicted(strategy: str) -> int:
     from resource_guard.estimate import estimate_memory
-    from resource_guard.estimate.sharding import fsdp_precision, trace_spec
+    from resource_guard.estimate.fsdp.sharding import fsdp_precision, trace_spec
     from resource_guard.planning.strategy import rank_memory, unit_param_bytes
 
     model = Net()

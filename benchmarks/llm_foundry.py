@@ -36,7 +36,7 @@ from torch import nn
 
 from resource_guard.devices import resolve_device
 from resource_guard.estimate.blocks import estimate_by_blocks
-from resource_guard.estimate.sharding import fsdp_precision, trace_spec
+from resource_guard.estimate.fsdp.sharding import fsdp_precision, trace_spec
 from resource_guard.planning.checkpointing import apply_checkpointing
 from resource_guard.planning.strategy import phase_peaks, rank_fit, rank_memory, unit_param_bytes
 

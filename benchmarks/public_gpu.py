@@ -28,7 +28,8 @@ The prediction: ``estimate_memory(..., device="v100-16gb")`` on a meta-device mo
 size is allocated), then ``.for_device("v100-16gb")``. Compared: the predicted reserved against the
 published figure − 1343 MiB, and the predicted device total, which is the predicted reserved plus the
 context *of that software*: 1343 MiB with CUDA's eager module loading (before CUDA 11.7 / torch
-1.13). ``for_device`` itself assumes today's lazy loading (see ``resource_guard.estimate.allocator``).
+1.13). ``for_device`` itself assumes today's lazy loading (see
+``resource_guard.estimate.allocation.allocator``).
 
 Run: ``python benchmarks/public_gpu.py [--only SUBSTRING] [--as-today]`` (about a minute).
 """

@@ -6,7 +6,7 @@
    batches it is asked about (4×32, 4×256; 2×32, 2×128, 2×256 for the micro-steps with fewer rows,
    which start with the gradients allocated), then predicts a spread of shapes it has not traced.
    Each prediction is compared with the real peak of that step measured by torch.profiler
-   (:func:`~resource_guard.estimate.measure.measure_training_step`, ``gradients_kept`` for the
+   (:func:`~resource_guard.estimate.host.measure.measure_training_step`, ``gradients_kept`` for the
    accumulating micro-steps). Target: never under, within 3%.
 2. **Cost of the check per batch**, median of rounds: a repeated shape (a cache hit: the signature
    and one dict lookup), a new shape the model answers without tracing, and a new shape that must be
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cases import gpt2, native_stderr_silenced  # noqa: E402
 
-from resource_guard.estimate.measure import measure_training_step  # noqa: E402
+from resource_guard.estimate.host.measure import measure_training_step  # noqa: E402
 from resource_guard.frontdoors.shape_guard import ShapeGuard, agree_min  # noqa: E402
 from resource_guard.planning.planner import plan  # noqa: E402
 from resource_guard.planning.shapes import ShapeModel  # noqa: E402

@@ -3,7 +3,7 @@
 Where this CPU cannot run the reference step (oneDNN's LSTM under bf16 autocast without AVX-512, under
 fp16 autocast on most CPUs), the example is skipped with the reason, decided by the library's own
 capability answer (:attr:`MemoryEstimate.cpu_unsupported`: each module call probed as the step makes
-it, :mod:`resource_guard.estimate.cpu_support`) — never by catching the reference's error, which
+it, :mod:`resource_guard.estimate.host.cpu_support`) — never by catching the reference's error, which
 would hide real failures. A reference step that raises after the library said it runs fails the
 test, naming the probe as wrong: that is a bug of the library on this CPU, not of the test.
 
@@ -22,7 +22,7 @@ from hypothesis import assume, currently_in_test_context, event
 
 from resource_guard.devices import cpu_summary
 from resource_guard.estimate import MemoryEstimate, measure_training_step
-from resource_guard.estimate.measure import MeasuredStep
+from resource_guard.estimate.host.measure import MeasuredStep
 
 __all__ = ["measure_reference", "reference_checked", "skip_unless_cpu_runs"]
 
@@ -64,5 +64,5 @@ def reference_checked(est: MemoryEstimate) -> Iterator[None]:
             said = "said this CPU runs the step: the probe is wrong"
         raise AssertionError(
             f"the real CPU step raised {type(exc).__name__}: {first!r}, but resource_guard's CPU "
-            f"capability check (resource_guard.estimate.cpu_support) {said}. This CPU: {cpu_summary()}"
+            f"capability check (resource_guard.estimate.host.cpu_support) {said}. This CPU: {cpu_summary()}"
         ) from exc

@@ -16,9 +16,9 @@ from torch.nn import functional as F
 
 from autocast_cases import CASES, REGION_CASES, make_inputs
 from resource_guard import estimate_memory, guard
-from resource_guard.estimate.attention import CUDNN, EFFICIENT, FLASH, MATH, select_backend
-from resource_guard.estimate.cuda_autocast import CudaAutocast
-from resource_guard.estimate.target import Target
+from resource_guard.estimate.emulate.attention import CUDNN, EFFICIENT, FLASH, MATH, select_backend
+from resource_guard.estimate.emulate.cuda_autocast import CudaAutocast
+from resource_guard.estimate.emulate.target import Target
 from resource_guard.step.precision import parse_precision
 from resource_guard.step.training import training_step
 

@@ -110,3 +110,36 @@ def test_no_import_circles() -> None:
 @pytest.mark.parametrize("name", resource_guard.__all__)
 def test_public_api_imports_from_the_top(name: str) -> None:
     assert getattr(resource_guard, name) is not None
+
+
+# estimate/'s inner floors, lowest first: a sub-package (or module) imports only from its own floor and
+# the ones before it; modules directly in estimate/ not named here (the estimators) are the top floor
+ESTIMATE_FLOORS = (
+    ("emulate",),  # the target's behaviour: autocast policy, autocast regions, attention kernel
+    ("trace",),  # fake tensors, live-storage accounting, recovery
+    ("host",),  # the host CPU: measurement, kernel scratch and capability, quiet logs
+    ("allocation",),  # what a device shows: the caching allocator, later micro-steps
+    ("result",),  # MemoryEstimate
+    ("fsdp",),  # per-rank sharding
+)
+
+
+def _estimate_floor(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["resource_guard", "estimate"] or len(parts) < 3:
+        return None
+    for i, names in enumerate(ESTIMATE_FLOORS):
+        if parts[2] in names:
+            return i
+    return len(ESTIMATE_FLOORS)
+
+
+def test_estimate_floors_import_downward_only() -> None:
+    bad = [
+        f"{m} -> {dep}"
+        for m, deps in _graph().items()
+        if _estimate_floor(m) is not None
+        for dep in deps
+        if (_estimate_floor(dep) or 0) > _estimate_floor(m)  # type: ignore[operator]
+    ]
+    assert bad == []

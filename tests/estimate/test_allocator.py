@@ -10,7 +10,7 @@ from torch import nn
 
 from resource_guard import estimate_memory, load_catalog
 from resource_guard.errors import ConfigurationError
-from resource_guard.estimate.allocator import (
+from resource_guard.estimate.allocation.allocator import (
     CUDA_CONTEXT_BYTES,
     _churn,
     device_fit,

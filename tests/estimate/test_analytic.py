@@ -11,8 +11,9 @@ from torch import nn
 
 from cpu_reference import measure_reference, reference_checked
 from resource_guard import ConfigurationError, ResourceGuardWarning, plan
-from resource_guard.estimate import estimate_memory, recovery
+from resource_guard.estimate import estimate_memory
 from resource_guard.estimate.analytic import analytic_estimate, optimizer_states_per_param
+from resource_guard.estimate.trace import recovery
 from resource_guard.step.precision import parse_precision
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -163,7 +164,7 @@ def test_the_planner_refuses_an_analytic_estimate_unless_allowed(monkeypatch):
 def test_cpu_convolutions_without_native_reduced_kernels_count_im2col_columns(monkeypatch, native):
     # an AVX2-only CPU in bf16 (most CPUs in fp16): oneDNN has no kernel, ATen's slow_conv2d allocates
     # full-batch im2col columns, twice in backward; the bound was 4.4% below a real conv+BN step there
-    from resource_guard.estimate import cpu_support
+    from resource_guard.estimate.host import cpu_support
 
     monkeypatch.setattr(cpu_support, "reduced_gemm_packs", lambda dtype: native)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 5, padding=2))

@@ -18,11 +18,11 @@ from torch.nn import functional as F
 from cpu_reference import measure_reference
 from resource_guard import ResourceGuardWarning
 from resource_guard.estimate import estimate_memory, measure_training_step
-from resource_guard.estimate.attached import attached_tensors
-from resource_guard.estimate.fake_world import FakeModel
-from resource_guard.estimate.measure import live_bytes
-from resource_guard.estimate.recovery import fake_mode
+from resource_guard.estimate.host.measure import live_bytes
 from resource_guard.estimate.result import TRACED
+from resource_guard.estimate.trace.attached import attached_tensors
+from resource_guard.estimate.trace.fake_world import FakeModel
+from resource_guard.estimate.trace.recovery import fake_mode
 
 
 class QuantParam(nn.Parameter):
@@ -240,7 +240,7 @@ def test_a_custom_operator_runs_through_its_composite_kernel_and_its_temporaries
 
 
 def _outputs_only(precision: str) -> int:
-    from resource_guard.estimate import composite
+    from resource_guard.estimate.trace import composite
 
     model, opt, batch = _opaque_net()
     with pytest.MonkeyPatch.context() as mp:

@@ -1,5 +1,5 @@
 """Autocast regions a model opens inside its forward, honoured by the emulated CUDA autocast as on a GPU
-(:mod:`resource_guard.estimate.autocast_regions`)."""
+(:mod:`resource_guard.estimate.emulate.autocast_regions`)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import resource_guard.estimate.autocast_regions as regions
+import resource_guard.estimate.emulate.autocast_regions as regions
 from autocast_cases import REGION_CASES, expected_dtype, make_inputs
 from resource_guard import ResourceGuardWarning, estimate_memory
-from resource_guard.estimate.autocast_regions import AutocastState, applied
-from resource_guard.estimate.cuda_autocast import CudaAutocast
-from resource_guard.estimate.fake_world import TargetForward
-from resource_guard.estimate.target import Target
-from resource_guard.estimate.tracer import CATEGORIES
+from resource_guard.estimate.emulate.autocast_regions import AutocastState, applied
+from resource_guard.estimate.emulate.cuda_autocast import CudaAutocast
+from resource_guard.estimate.emulate.target import Target
+from resource_guard.estimate.trace.fake_world import TargetForward
+from resource_guard.estimate.trace.tracer import CATEGORIES
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from resource_guard import ConfigurationError
 from resource_guard.estimate import estimate_memory
-from resource_guard.estimate.allocator import rank_overhead
+from resource_guard.estimate.allocation.allocator import rank_overhead
 from resource_guard.estimate.blocks import BlockEstimate, estimate_by_blocks, sampleable
 from resource_guard.step.precision import PrecisionSpec
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from resource_guard import estimate_memory
-from resource_guard.estimate import cpu_support, kernels
-from resource_guard.estimate.cpu_support import (
+from resource_guard.estimate.host import cpu_support, kernels
+from resource_guard.estimate.host.cpu_support import (
     CpuKernelSupport,
     RecurrentCall,
     probe_recurrent,
@@ -211,7 +211,7 @@ _AGREEMENT = textwrap.dedent(
     import torch
     from torch import nn
     from resource_guard import estimate_memory
-    from resource_guard.estimate.cpu_support import reduced_gemm_packs
+    from resource_guard.estimate.host.cpu_support import reduced_gemm_packs
     from resource_guard.step.precision import parse_precision
     from resource_guard.step.training import training_step
 
@@ -307,7 +307,7 @@ def test_real_step_comparisons_skip_with_the_reason_on_an_avx2_cpu() -> None:
 
 def test_gpu_target_low_precision_convolutions_are_not_probed_on_this_cpu(monkeypatch) -> None:
     """A CPU kernel in fp16 says nothing of cuDNN's workspace and is very slow here: the rule stands."""
-    from resource_guard.estimate import kernels
+    from resource_guard.estimate.host import kernels
 
     probed: list[object] = []
     monkeypatch.setattr(

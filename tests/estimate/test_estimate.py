@@ -13,7 +13,8 @@ from torch import nn
 
 from cpu_reference import measure_reference
 from resource_guard import ConfigurationError, ResourceGuardWarning
-from resource_guard.estimate import CATEGORIES, estimate_memory, measure_training_step, recovery
+from resource_guard.estimate import CATEGORIES, estimate_memory, measure_training_step
+from resource_guard.estimate.trace import recovery
 
 F32 = 4
 

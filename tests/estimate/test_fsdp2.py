@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from resource_guard import ConfigurationError, estimate_memory, measure_training_step, plan
-from resource_guard.estimate.fsdp2 import _unit_groups, is_fully_sharded, sharded_layout, unsharded_copy
-from resource_guard.estimate.fsdp2_step import ShardedEstimate
+from resource_guard.estimate.fsdp.fsdp2 import _unit_groups, is_fully_sharded, sharded_layout, unsharded_copy
+from resource_guard.estimate.fsdp.fsdp2_step import ShardedEstimate
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
@@ -249,7 +249,7 @@ def test_two_real_gloo_ranks_agree_with_the_per_rank_estimate(
 def test_the_module_example_runs() -> None:
     import doctest
 
-    from resource_guard.estimate import fsdp2
+    from resource_guard.estimate.fsdp import fsdp2
 
     assert doctest.testmod(fsdp2).failed == 0
 

@@ -3,7 +3,8 @@
 Random small MLPs, conv nets (with or without BatchNorm) and recurrent nets (LSTM/GRU), batch sizes,
 precisions (``32-true``, ``bf16-mixed``, ``16-mixed``) and optimizers (SGD with and without momentum,
 Adam, AdamW) are estimated with ``estimate_memory(..., device="cpu")`` and run for real on deep
-copies with :func:`~resource_guard.estimate.measure.measure_training_step` (the profiler's memory records).
+copies with :func:`~resource_guard.estimate.host.measure.measure_training_step` (the profiler's memory
+records).
 
 Tolerance, the property every case must hold:
 

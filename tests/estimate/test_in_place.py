@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from resource_guard.estimate import estimate_memory, measure_training_step
-from resource_guard.estimate.kernels import kernel_extra
-from resource_guard.estimate.measure import peak_of
+from resource_guard.estimate.host.kernels import kernel_extra
+from resource_guard.estimate.host.measure import peak_of
 
 _aten = torch.ops.aten
 

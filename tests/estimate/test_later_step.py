@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from resource_guard import estimate_memory
-from resource_guard.estimate.allocator import device_fit
-from resource_guard.estimate.later_step import later_peak_from_timeline, later_step, running_peak
-from resource_guard.estimate.tracer import CATEGORIES
+from resource_guard.estimate.allocation.allocator import device_fit
+from resource_guard.estimate.allocation.later_step import later_peak_from_timeline, later_step, running_peak
+from resource_guard.estimate.trace.tracer import CATEGORIES
 
 
 def test_the_gradients_become_initial_and_their_births_temporaries() -> None:

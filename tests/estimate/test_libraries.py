@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from resource_guard.estimate import estimate_memory, measure_training_step
-from resource_guard.estimate.libraries import as_real_step
 from resource_guard.estimate.result import TRACED
+from resource_guard.estimate.trace.libraries import as_real_step
 from resource_guard.planning.checkpointing import apply_checkpointing
 
 transformers = pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resource_guard.estimate.cuda_autocast import CudaAutocast
+from resource_guard.estimate.emulate.cuda_autocast import CudaAutocast
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from resource_guard.estimate.quiet import native_stderr_silenced, quiet_profile, torch_logs_silenced
+from resource_guard.estimate.host.quiet import native_stderr_silenced, quiet_profile, torch_logs_silenced
 
 NATIVE_NOISE = re.compile(r"USDT:|SyncActivityProfilerHandler|fake_tensor\.py")
 

@@ -14,8 +14,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from resource_guard import ResourceGuardWarning
-from resource_guard.estimate import estimate_memory, measure_training_step, recovery
+from resource_guard.estimate import estimate_memory, measure_training_step
 from resource_guard.estimate.result import ANALYTIC, TRACED, TRACED_RECOVERED
+from resource_guard.estimate.trace import recovery
 
 
 def _truth(build, precision: str = "32-true") -> int:

@@ -11,9 +11,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autocast_cases import CASES, expected_dtype, make_inputs
 from resource_guard import ConfigurationError, estimate_memory
-from resource_guard.estimate.attention import EFFICIENT, FLASH, MATH, select_backend
-from resource_guard.estimate.cuda_autocast import CudaAutocast
-from resource_guard.estimate.target import (
+from resource_guard.estimate.emulate.attention import EFFICIENT, FLASH, MATH, select_backend
+from resource_guard.estimate.emulate.cuda_autocast import CudaAutocast
+from resource_guard.estimate.emulate.target import (
     APPEND_DTYPE,
     CUDA_BANNED,
     CUDA_FP32,
@@ -28,7 +28,7 @@ from resource_guard.estimate.target import (
     Target,
     cuda_policy_of,
 )
-from resource_guard.estimate.tracer import CATEGORIES
+from resource_guard.estimate.trace.tracer import CATEGORIES
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
 
@@ -321,7 +321,7 @@ class _NoDropout:
 @pytest.mark.parametrize("mask", [None, "float", "bool", "causal"])
 @pytest.mark.parametrize("scale", [None, 0.3, -0.2])
 def test_math_attention_with_dropout_is_the_math_composite_op_for_op(monkeypatch, mask, scale):
-    from resource_guard.estimate import attention
+    from resource_guard.estimate.emulate import attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 8, dtype=torch.float64) for _ in range(3))
@@ -337,7 +337,7 @@ def test_math_attention_with_dropout_is_the_math_composite_op_for_op(monkeypatch
 
 
 def test_math_attention_on_a_cuda_target_keeps_a_bool_dropout_mask():
-    from resource_guard.estimate.attention import run_backend
+    from resource_guard.estimate.emulate.attention import run_backend
 
     q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
     kept: list[tuple[tuple[int, ...], torch.dtype]] = []

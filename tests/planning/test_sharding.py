@@ -10,8 +10,8 @@ from torch import nn
 
 from resource_guard import ConfigurationError, DeviceSpec
 from resource_guard.estimate import estimate_memory
-from resource_guard.estimate.allocator import rank_overhead
-from resource_guard.estimate.sharding import autocast_copy_bytes, fsdp_precision, trace_spec
+from resource_guard.estimate.allocation.allocator import rank_overhead
+from resource_guard.estimate.fsdp.sharding import autocast_copy_bytes, fsdp_precision, trace_spec
 from resource_guard.planning.strategy import (
     overhead_envelope,
     phase_peaks,

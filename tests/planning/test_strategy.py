@@ -8,7 +8,7 @@ from torch import nn
 
 from resource_guard import ConfigurationError, DeviceSpec
 from resource_guard.estimate import estimate_memory
-from resource_guard.estimate.allocator import rank_overhead
+from resource_guard.estimate.allocation.allocator import rank_overhead
 from resource_guard.planning.strategy import gpus_needed, rank_fit, rank_memory, unit_param_bytes
 
 F32 = 4

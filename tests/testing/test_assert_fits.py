@@ -120,7 +120,7 @@ class _Unique(nn.Module):
 
 
 def test_a_failure_on_an_analytic_bound_says_it_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from resource_guard.estimate import recovery
+    from resource_guard.estimate.trace import recovery
 
     monkeypatch.setattr(recovery, "REAL_BUDGET_BYTES", 0)  # `unique` cannot be recovered: analytic
     tiny = resolve_device("cpu").with_memory(2**10)

@@ -16,7 +16,8 @@ What it counts, and how sure each part is:
   tensor) is outside what it can see;
 - kernel scratch: on a CPU target, :data:`CPU_CONV_SCRATCH_BYTES` where there are depthwise
   (grouped) convolutions; and in bf16/fp16 on a CPU whose oneDNN has no kernels in that dtype (an
-  AVX2-only CPU in bf16, most CPUs in fp16: :func:`~resource_guard.estimate.cpu_support.reduced_gemm_packs`),
+  AVX2-only CPU in bf16, most CPUs in fp16:
+  :func:`~resource_guard.estimate.host.cpu_support.reduced_gemm_packs`),
   where convolutions run as ATen's im2col ``slow_conv2d``, two full-batch column buffers of the largest
   convolution (backward recomputes the columns beside their gradient);
 - temporaries: the optimizer's own (a parameter-sized tensor per state on a foreach target, two of the
@@ -35,9 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from resource_guard.estimate.recovery import fake_mode
 from resource_guard.estimate.result import ANALYTIC, MemoryEstimate
-from resource_guard.estimate.tracer import CATEGORIES, StorageTracker
+from resource_guard.estimate.trace.recovery import fake_mode
+from resource_guard.estimate.trace.tracer import CATEGORIES, StorageTracker
 from resource_guard.step.precision import PrecisionSpec
 from resource_guard.step.training import batch_size_of, iter_tensors
 
@@ -82,7 +83,7 @@ def optimizer_states_per_param(optimizer: Any) -> int:
 
 def _optimizer_state_bytes(model: nn.Module, optimizer: Any, spec: PrecisionSpec) -> int | None:
     """Bytes of the optimizer's state after one step on fake parameters; ``None`` if that cannot run."""
-    from resource_guard.estimate.fake_world import FakeStep  # fake_world imports the tracer, as we do
+    from resource_guard.estimate.trace.fake_world import FakeStep  # fake_world imports the tracer, as we do
 
     tracker = StorageTracker(record_timeline=False)  # as a mode: it recovers what fake kernels refuse
     try:
@@ -285,7 +286,7 @@ def _cpu_im2col(spec: PrecisionSpec, device_kind: str) -> str | None:
     dtype = spec.compute_dtype
     if device_kind != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    from resource_guard.estimate.cpu_support import reduced_gemm_packs
+    from resource_guard.estimate.host.cpu_support import reduced_gemm_packs
 
     if reduced_gemm_packs(dtype):
         return None

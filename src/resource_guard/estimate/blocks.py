@@ -39,10 +39,10 @@ import torch
 from torch import nn
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.estimate.allocator import rank_overhead
+from resource_guard.estimate.allocation.allocator import rank_overhead
 from resource_guard.estimate.estimator import estimate_memory
 from resource_guard.estimate.result import MemoryEstimate
-from resource_guard.estimate.tracer import CATEGORIES
+from resource_guard.estimate.trace.tracer import CATEGORIES
 from resource_guard.step.precision import PrecisionSpec
 from resource_guard.step.training import LossFn, OptimizerArg
 

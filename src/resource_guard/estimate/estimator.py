@@ -2,7 +2,8 @@
 
 :func:`estimate_memory` copies the model and optimizer onto fake tensors (shapes, dtypes and strides,
 no data), brings the optimizer to its steady state, then runs forward, loss, backward, optimizer step
-and ``zero_grad`` while a :class:`~resource_guard.estimate.tracer.StorageTracker` counts live storage bytes
+and ``zero_grad`` while a :class:`~resource_guard.estimate.trace.tracer.StorageTracker` counts live storage
+bytes
 by category. The caller's model, optimizer, batch and RNG state are left untouched.
 """
 
@@ -20,11 +21,16 @@ from torch import nn
 
 from resource_guard.devices import DeviceSpec, resolve_device
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
-from resource_guard.estimate import kernels as _kernels
 from resource_guard.estimate.analytic import analytic_estimate
-from resource_guard.estimate.composite import CompositeOps
-from resource_guard.estimate.cpu_support import CpuStepCheck
-from resource_guard.estimate.fake_world import (
+from resource_guard.estimate.emulate.target import Target
+from resource_guard.estimate.fsdp.fsdp2 import is_fsdp1, is_fully_sharded, sharded_layout, unsharded_copy
+from resource_guard.estimate.fsdp.fsdp2_step import RankBuffers, per_rank
+from resource_guard.estimate.host import kernels as _kernels
+from resource_guard.estimate.host.cpu_support import CpuStepCheck
+from resource_guard.estimate.host.quiet import torch_logs_silenced
+from resource_guard.estimate.result import TRACED, TRACED_RECOVERED, MemoryEstimate
+from resource_guard.estimate.trace.composite import CompositeOps
+from resource_guard.estimate.trace.fake_world import (
     AS_SET,
     FOR_LOOP,
     FOREACH,
@@ -32,15 +38,10 @@ from resource_guard.estimate.fake_world import (
     isolated_global_state,
     target_forward,
 )
-from resource_guard.estimate.fsdp2 import is_fsdp1, is_fully_sharded, sharded_layout, unsharded_copy
-from resource_guard.estimate.fsdp2_step import RankBuffers, per_rank
-from resource_guard.estimate.libraries import as_real_step
-from resource_guard.estimate.quiet import torch_logs_silenced
-from resource_guard.estimate.recovery import fake_mode as _fake_mode
-from resource_guard.estimate.recovery import fake_numpy
-from resource_guard.estimate.result import TRACED, TRACED_RECOVERED, MemoryEstimate
-from resource_guard.estimate.target import Target
-from resource_guard.estimate.tracer import PeakRecord, StorageTracker
+from resource_guard.estimate.trace.libraries import as_real_step
+from resource_guard.estimate.trace.recovery import fake_mode as _fake_mode
+from resource_guard.estimate.trace.recovery import fake_numpy
+from resource_guard.estimate.trace.tracer import PeakRecord, StorageTracker
 from resource_guard.estimate.user_step import UserStep, check_optimizers, run_user_step
 from resource_guard.step.precision import PrecisionSpec, parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of, iter_tensors, training_step
@@ -274,8 +275,8 @@ def estimate_memory(
     Args:
         model: the model, on any device including ``meta`` (nothing of its size is allocated); a
             module sharded by FSDP2's ``fully_shard`` gives one rank's step (a
-            :class:`~resource_guard.estimate.fsdp2_step.ShardedEstimate`; see
-            :mod:`~resource_guard.estimate.fsdp2`).
+            :class:`~resource_guard.estimate.fsdp.fsdp2_step.ShardedEstimate`; see
+            :mod:`~resource_guard.estimate.fsdp.fsdp2`).
         optimizer: an optimizer over ``model``'s parameters, or a factory ``params -> Optimizer``.
         batch: one sample batch, as the training loop receives it.
         loss_fn: ``(model, batch) -> loss or output``; default: ``model(**batch)`` for a mapping,
@@ -334,7 +335,7 @@ def unwrap_model(model: Any) -> tuple[Any, tuple[str, ...]]:
     what is traced. DDP's wrapper adds gradient buckets that belong to the strategy (``plan``'s
     ``strategy="ddp"`` accounts for them per rank); the local module's step is traced. An FSDP2
     (``fully_shard``) module is not a wrapper and is returned as is: :func:`estimate_memory` gives its
-    per-rank step (:mod:`resource_guard.estimate.fsdp2`). FSDP1's ``FullyShardedDataParallel`` wraps
+    per-rank step (:mod:`resource_guard.estimate.fsdp.fsdp2`). FSDP1's ``FullyShardedDataParallel`` wraps
     flat parameters whose global shapes it hides: refused with what to pass instead.
     """
     notes: list[str] = []

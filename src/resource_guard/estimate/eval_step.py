@@ -18,11 +18,11 @@ caller states:
   the model holds now: the parameters whose ``.grad`` is not ``None``.
 
 The trace reuses the training step's machinery: the model, optimizer and batch are copied onto fake
-tensors (:class:`~resource_guard.estimate.fake_world.FakeStep`), the forward runs as on the target
-(:func:`~resource_guard.estimate.fake_world.target_forward`: CUDA's autocast policy and attention
-kernel on a GPU target) and a :class:`~resource_guard.estimate.tracer.StorageTracker` counts live
+tensors (:class:`~resource_guard.estimate.trace.fake_world.FakeStep`), the forward runs as on the target
+(:func:`~resource_guard.estimate.trace.fake_world.target_forward`: CUDA's autocast policy and attention
+kernel on a GPU target) and a :class:`~resource_guard.estimate.trace.tracer.StorageTracker` counts live
 bytes by category. :func:`measure_eval_step` is the ground truth on this CPU, measured as
-:func:`~resource_guard.estimate.measure.measure_training_step` measures a training step.
+:func:`~resource_guard.estimate.host.measure.measure_training_step` measures a training step.
 
 Example:
     >>> import torch
@@ -49,21 +49,21 @@ from torch import nn
 
 from resource_guard.devices import DeviceSpec
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
-from resource_guard.estimate import kernels as _kernels
 from resource_guard.estimate.analytic import analytic_estimate
-from resource_guard.estimate.composite import CompositeOps
-from resource_guard.estimate.cpu_support import CpuStepCheck
+from resource_guard.estimate.emulate.target import Target
 from resource_guard.estimate.estimator import _default_kind, _device_kind, _first_line, unwrap_model
-from resource_guard.estimate.fake_world import FakeStep, isolated_global_state, target_forward
-from resource_guard.estimate.fsdp2 import is_fully_sharded
-from resource_guard.estimate.libraries import as_real_step
-from resource_guard.estimate.measure import MeasuredStep, allocation_deltas, live_bytes, peak_of
-from resource_guard.estimate.quiet import quiet_profile, torch_logs_silenced
-from resource_guard.estimate.recovery import fake_mode as _fake_mode
-from resource_guard.estimate.recovery import fake_numpy
+from resource_guard.estimate.fsdp.fsdp2 import is_fully_sharded
+from resource_guard.estimate.host import kernels as _kernels
+from resource_guard.estimate.host.cpu_support import CpuStepCheck
+from resource_guard.estimate.host.measure import MeasuredStep, allocation_deltas, live_bytes, peak_of
+from resource_guard.estimate.host.quiet import quiet_profile, torch_logs_silenced
 from resource_guard.estimate.result import TRACED, TRACED_RECOVERED, MemoryEstimate
-from resource_guard.estimate.target import Target
-from resource_guard.estimate.tracer import StorageTracker
+from resource_guard.estimate.trace.composite import CompositeOps
+from resource_guard.estimate.trace.fake_world import FakeStep, isolated_global_state, target_forward
+from resource_guard.estimate.trace.libraries import as_real_step
+from resource_guard.estimate.trace.recovery import fake_mode as _fake_mode
+from resource_guard.estimate.trace.recovery import fake_numpy
+from resource_guard.estimate.trace.tracer import StorageTracker
 from resource_guard.step.precision import PrecisionSpec, autocast_context, parse_precision
 from resource_guard.step.training import (
     LossFn,
@@ -264,7 +264,7 @@ def measure_eval_step(
     With ``optimizer``, one real training step runs first (its state then exists); with
     ``gradients_kept``, one more forward and backward leaves every gradient allocated. Then the model
     goes to eval mode and the step runs under ``torch.no_grad()`` inside torch.profiler's memory
-    records, as :func:`~resource_guard.estimate.measure.measure_training_step` measures a training
+    records, as :func:`~resource_guard.estimate.host.measure.measure_training_step` measures a training
     step. The model's train/eval mode is restored; the model and optimizer are trained for real when
     given: pass throwaway copies.
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resource_guard.devices import DeviceSpec
-from resource_guard.estimate.allocator import DeviceFit, device_fit
+from resource_guard.estimate.allocation.allocator import DeviceFit, device_fit
 
 __all__ = ["ANALYTIC", "METHODS", "MemoryEstimate", "TRACED", "TRACED_RECOVERED"]
 
@@ -54,7 +54,7 @@ class MemoryEstimate:
             ``"as on cuda sm80 (a100-40gb), bf16-mixed, autocast policy: cuda, attention: flash×24"``.
         cpu_unsupported: for a CPU target, the step's calls this machine's CPU was probed to fail, each
             probed as the step makes it (e.g. ``"nn.LSTM in fp32 under bf16 autocast, training
-            (oneDNN's bf16 LSTM needs AVX-512; …)"``; :mod:`~resource_guard.estimate.cpu_support`): a
+            (oneDNN's bf16 LSTM needs AVX-512; …)"``; :mod:`~resource_guard.estimate.host.cpu_support`): a
             real step here would fail; ``warnings`` says so too. Empty when the CPU runs the step.
         cpu_unknown: for a CPU target, the step's operators whose kernel may be missing on some CPU and
             that no probe could answer (e.g. a direct ``torch.lstm`` call); ``warnings`` says so too.

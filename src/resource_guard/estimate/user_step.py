@@ -17,7 +17,7 @@ counts the same bytes; only the breakdown then files backward's temporaries unde
 While the step runs, each optimizer's ``step`` is the "optimizer" phase (its gradients unscaled first
 under ``16-mixed``, as ``GradScaler.unscale_`` does); an optimizer left to choose its code path takes
 the target's (foreach on a GPU, the for-loop on a CPU). On a GPU target the forward runs under the
-emulated CUDA autocast as in any estimate (:func:`~resource_guard.estimate.fake_world.target_forward`).
+emulated CUDA autocast as in any estimate (:func:`~resource_guard.estimate.trace.fake_world.target_forward`).
 
 :func:`measure_user_step` measures the same step for real on the CPU (the ground truth).
 """
@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.estimate.measure import MeasuredStep, allocation_deltas, live_bytes, peak_of
-from resource_guard.estimate.quiet import quiet_profile
+from resource_guard.estimate.host.measure import MeasuredStep, allocation_deltas, live_bytes, peak_of
+from resource_guard.estimate.host.quiet import quiet_profile
 from resource_guard.step.precision import PrecisionSpec, autocast_context, parse_precision
 
 __all__ = [
@@ -134,7 +134,7 @@ def count_user_step_flops(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from resource_guard.estimate.fake_world import FakeModel, fake_like
+    from resource_guard.estimate.trace.fake_world import FakeModel, fake_like
     from resource_guard.step.training import map_tensors
 
     def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -196,8 +196,8 @@ def run_user_step(
 ) -> None:
     """Run a :class:`UserStep` over an estimate's fake world (``FakeStep``), telling ``on_phase`` the phases.
 
-    ``step_fn`` is the user step as :func:`~resource_guard.estimate.fake_world.target_forward` wrapped
-    it, ``record`` its :class:`~resource_guard.estimate.fake_world.TargetForward` (backward is not the
+    ``step_fn`` is the user step as :func:`~resource_guard.estimate.trace.fake_world.target_forward` wrapped
+    it, ``record`` its :class:`~resource_guard.estimate.trace.fake_world.TargetForward` (backward is not the
     forward: checkpointed blocks recompute under the target's policy).
     """
     foreach = device_kind in ("cuda", "rocm")
@@ -256,7 +256,7 @@ def measure_user_step(
     """Run ``warmup_steps`` real steps of ``step`` (so every optimizer's state exists), then measure one more.
 
     The ground truth of a :class:`UserStep` estimate on the CPU, measured as
-    :func:`~resource_guard.estimate.measure.measure_training_step` measures the fixed step. The model
+    :func:`~resource_guard.estimate.host.measure.measure_training_step` measures the fixed step. The model
     and optimizers are trained for real: pass throwaway copies.
     """
     spec = parse_precision(precision)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.estimate.quiet import native_stderr_silenced
+from resource_guard.estimate.host.quiet import native_stderr_silenced
 from resource_guard.report.types import ProfileSummary
 
 __all__ = ["ProfileWindow", "ProfileSummary", "EventRecord", "StepProfiler", "summarize_events"]

@@ -214,7 +214,7 @@ def count_flops(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = Non
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from resource_guard.estimate.fake_world import fake_copy
+    from resource_guard.estimate.trace.fake_world import fake_copy
 
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=False)

@@ -33,7 +33,7 @@ The rules, each covered by a test:
    are both sized per rank (:mod:`resource_guard.planning.strategy`); the cheaper that fits wins.
    ``strategy="fsdp_grad_op"`` (ZeRO-2) and ``"hsdp"`` (sharded within ``gpus_per_node``) are sized
    when asked for. FSDP's precision is its own mixed-precision policy (``fsdp_mixed_precision``,
-   :mod:`resource_guard.estimate.sharding`): by default 16-bit parameters gathered per unit, fp32
+   :mod:`resource_guard.estimate.fsdp.sharding`): by default 16-bit parameters gathered per unit, fp32
    sharded master and optimizer state, as Lightning's ``FSDPStrategy`` does; ``"autocast"`` models
    fp32 parameters under autocast and says what the 16-bit policy would save.
 8. **Verdict**: ``Plan.verdict`` is ``"fits"``, or ``"fits tight"`` when a configuration is only
@@ -75,8 +75,8 @@ from resource_guard.devices import (
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate import DeviceFit, MemoryEstimate
 from resource_guard.estimate.estimator import _check_inputs
+from resource_guard.estimate.fsdp.sharding import FsdpPrecision, autocast_copy_bytes, fsdp_precision
 from resource_guard.estimate.result import ANALYTIC
-from resource_guard.estimate.sharding import FsdpPrecision, autocast_copy_bytes, fsdp_precision
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.planning.nofit import NoFitReport, batch_reasons, no_fit_error
 from resource_guard.planning.search import (

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from resource_guard.estimate import MemoryEstimate
-from resource_guard.estimate.allocator import rank_overhead
+from resource_guard.estimate.allocation.allocator import rank_overhead
 from resource_guard.estimate.blocks import SAMPLE_BLOCKS, estimate_by_blocks, sampleable
-from resource_guard.estimate.sharding import FsdpPrecision, trace_spec
+from resource_guard.estimate.fsdp.sharding import FsdpPrecision, trace_spec
 from resource_guard.planning.checkpointing import apply_checkpointing
 from resource_guard.planning.strategy import (
     GPUS_PER_NODE,
@@ -116,7 +116,7 @@ class Tracer:
     """Traces the step at a micro-batch size (cached and counted) and fits it to the device per strategy.
 
     FSDP strategies under a ``policy`` that gathers 16-bit parameters are traced with the parameters
-    in that dtype (:func:`~resource_guard.estimate.sharding.trace_spec`); the others under
+    in that dtype (:func:`~resource_guard.estimate.fsdp.sharding.trace_spec`); the others under
     ``precision``. A model with repeated blocks is traced at two shallow depths and extrapolated
     (:func:`~resource_guard.estimate.blocks.estimate_by_blocks`) unless ``by_blocks`` is False.
     Below ``per_rank`` (gradient accumulation), a single-device or DDP candidate is fitted as its later

@@ -198,7 +198,7 @@ def count_step_flops(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from resource_guard.estimate.fake_world import fake_copy
+    from resource_guard.estimate.trace.fake_world import fake_copy
 
     samples = batch_size_of(batch) or 1
     forward: dict[str, float] = {}

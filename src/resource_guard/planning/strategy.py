@@ -15,7 +15,7 @@ fp32 weights, as traced.
 **FSDP** (``"fsdp"``: ``FULL_SHARD`` / ``fully_shard``; ``"fsdp_grad_op"``: ``SHARD_GRAD_OP`` /
 ``reshard_after_forward=False``, ZeRO-2; ``"hsdp"``: ``HYBRID_SHARD`` / a 2-D mesh, sharded within a
 node of ``gpus_per_node`` and replicated across nodes) shards parameters, gradients and optimizer
-state; its mixed-precision policy (:mod:`~resource_guard.estimate.sharding`) decides the dtype of the
+state; its mixed-precision policy (:mod:`~resource_guard.estimate.fsdp.sharding`) decides the dtype of the
 gathered units, the reduce and the master shards. Units are the repeated blocks
 (:func:`~resource_guard.planning.checkpointing.find_checkpoint_blocks`, what an auto-wrap policy
 wraps) and the root (every parameter outside them). Per phase::
@@ -51,8 +51,8 @@ from torch import nn
 
 from resource_guard.errors import ConfigurationError
 from resource_guard.estimate import CATEGORIES
-from resource_guard.estimate.allocator import rank_device_fit, rank_overhead
-from resource_guard.estimate.sharding import (
+from resource_guard.estimate.allocation.allocator import rank_device_fit, rank_overhead
+from resource_guard.estimate.fsdp.sharding import (
     FsdpPrecision,
     PhasePeaks,
     fsdp_precision,
@@ -175,7 +175,7 @@ def rank_memory(
 
     Args:
         estimate: a single-device estimate at the per-rank micro-batch; for an FSDP policy that
-            gathers 16-bit parameters, traced under :func:`~resource_guard.estimate.sharding.trace_spec`.
+            gathers 16-bit parameters, traced under :func:`~resource_guard.estimate.fsdp.sharding.trace_spec`.
         strategy: one of :data:`STRATEGIES`.
         world_size: number of ranks (>= 1).
         units: FSDP unit sizes in gathered bytes (:func:`unit_param_bytes`); required for FSDP.

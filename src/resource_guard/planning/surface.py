@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from resource_guard.estimate import DeviceFit, MemoryEstimate
-from resource_guard.estimate.later_step import later_step
+from resource_guard.estimate.allocation.later_step import later_step
 
 __all__ = ["EXACT_BYTES", "MAX_PROFILE", "Surface", "profile_of"]
 
@@ -120,10 +120,11 @@ def profile_of(estimate: MemoryEstimate, fit: DeviceFit) -> tuple[int, ...] | No
     Points come in the same order for every shape of one model (the same operators run), so each
     entry is one polynomial in the shape and the step's peak is their maximum. Traced whole: the
     running total after each allocation event, rewritten for a micro-step that starts with the
-    gradients allocated as :func:`~resource_guard.estimate.later_step.later_step` does. Extrapolated
+    gradients allocated as :func:`~resource_guard.estimate.allocation.later_step.later_step` does.
+    Extrapolated
     from shallow blocks (or more than :data:`MAX_PROFILE` events): the timeline, which stands for the
     whole model, and for such a later micro-step its forward and backward points again with every
-    gradient allocated (as :func:`~resource_guard.estimate.later_step.later_peak_from_timeline`).
+    gradient allocated (as :func:`~resource_guard.estimate.allocation.later_step.later_peak_from_timeline`).
     """
     events, initial = list(estimate.allocations), list(estimate.initial_allocations)
     later = "a later step" in " ".join(fit.notes)
@@ -140,7 +141,7 @@ def profile_of(estimate: MemoryEstimate, fit: DeviceFit) -> tuple[int, ...] | No
     sums = [sum(sizes) for _, sizes in timeline]
     if not later:
         return tuple(sums)
-    from resource_guard.estimate.tracer import CATEGORIES
+    from resource_guard.estimate.trace.tracer import CATEGORIES
 
     g = CATEGORIES.index("gradients")
     grads = max(sizes[g] for _, sizes in timeline)

@@ -26,7 +26,7 @@ from resource_guard.devices import Catalog, DeviceSpec, format_bytes, load_catal
 from resource_guard.errors import ConfigurationError
 from resource_guard.estimate import DeviceFit
 from resource_guard.estimate.estimator import _check_inputs
-from resource_guard.estimate.sharding import fsdp_precision
+from resource_guard.estimate.fsdp.sharding import fsdp_precision
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.planning.nofit import NoFitReport, no_fit_error
 from resource_guard.planning.planner import _check_args, choose_precision

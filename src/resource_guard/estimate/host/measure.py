@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from resource_guard.estimate.attached import attached_tensors
-from resource_guard.estimate.quiet import quiet_profile
+from resource_guard.estimate.host.quiet import quiet_profile
+from resource_guard.estimate.trace.attached import attached_tensors
 from resource_guard.step.precision import autocast_context, parse_precision
 from resource_guard.step.training import LossFn, call_loss_fn, iter_tensors, training_step
 

@@ -24,7 +24,8 @@ allocation events through a model of it. Constants and their sources:
   default before torch 2.0): the traced step starts without gradients and frees them at its end; a
   later one starts with them allocated, and backward computes each new gradient into a temporary
   that autograd adds into the old one (``AccumulateGrad``: ``variable_grad += new_grad``) and frees.
-  :func:`~resource_guard.estimate.later_step.later_step` rewrites the step's events so: the storages
+  :func:`~resource_guard.estimate.allocation.later_step.later_step` rewrites the step's events so: the
+  storages
   born in the step and alive when its trailing frees begin (its gradients) become initial
   allocations, their births a birth and free.
 - Per rank (:func:`rank_overhead`, :func:`rank_device_fit`): a sharded rank's persistent state is a
@@ -48,7 +49,7 @@ from typing import Any, Protocol
 
 from resource_guard.devices import DeviceSpec, resolve_device
 from resource_guard.errors import ConfigurationError
-from resource_guard.estimate.later_step import later_peak_from_timeline, later_step, running_peak
+from resource_guard.estimate.allocation.later_step import later_peak_from_timeline, later_step, running_peak
 
 __all__ = [
     "AllocatorPeaks",
@@ -302,7 +303,7 @@ def device_fit(
 
     ``gradients_kept``: the figures of a later step that starts with the gradients allocated
     (gradient accumulation's micro-steps 2..k; ``zero_grad(set_to_none=False)``); see
-    :func:`~resource_guard.estimate.later_step.later_step`.
+    :func:`~resource_guard.estimate.allocation.later_step.later_step`.
     """
     if not 0 <= headroom < 0.9:
         raise ConfigurationError(f"`for_device(headroom={headroom!r})` must be in [0, 0.9)")

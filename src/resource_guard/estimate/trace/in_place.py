@@ -16,7 +16,7 @@ does not:
   variant applied to it, both issued by one C++ call: the Python stack (:func:`call_site`) is the
   same. The user's own ``torch.zeros(n).scatter_add(…)`` is two Python calls and stays a copy.
 
-The :class:`~resource_guard.estimate.tracer.StorageTracker` lets such an operator's output take over
+The :class:`~resource_guard.estimate.trace.tracer.StorageTracker` lets such an operator's output take over
 the buffer it was computed from (:class:`InPlace`) if that buffer dies before the next operator
 (nothing else held it): the live total at the operator is counted without it, and the allocation
 events show one buffer (:func:`merge_events`), as the allocator saw it. A buffer that outlives the

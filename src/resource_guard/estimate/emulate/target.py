@@ -4,7 +4,7 @@ An estimate traces on fake CPU tensors, but the run it stands for may be on a GP
 follows other rules than on the CPU: CUDA autocast runs ``softmax``, ``layer_norm``, ``exp``, ``sum``
 and most losses in float32 and promotes ``addcmul``/``index_put``/... to the widest input type,
 where CPU autocast runs them in the low-precision dtype. The lists below say which; they are applied
-by :class:`~resource_guard.estimate.cuda_autocast.CudaAutocast`.
+by :class:`~resource_guard.estimate.emulate.cuda_autocast.CudaAutocast`.
 
 The lists are the exact registration names of the ``AutocastCUDA`` kernels of torch 2.13, read from
 ``ATen/autocast_mode.h`` (macros ``AT_FORALL_LOWER_PRECISION_FP``, ``AT_FORALL_FP32``,

@@ -7,7 +7,7 @@ torch 2.0; Hugging Face's Trainer calls ``model.zero_grad()``), the gradients ar
 and backward, and backward computes each new gradient into a temporary that autograd adds into the old
 one and frees (``AccumulateGrad``: ``variable_grad += new_grad`` when grad mode is off;
 ``torch/csrc/autograd/functions/accumulate_grad.h``). Used by
-:func:`~resource_guard.estimate.allocator.device_fit` (``gradients_kept=True``).
+:func:`~resource_guard.estimate.allocation.allocator.device_fit` (``gradients_kept=True``).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def later_step(
 def later_peak_from_timeline(estimate: Any) -> int:
     """The live peak of a later step from the timeline: every forward/backward point with all the
     gradients present (for an estimate without allocation events)."""
-    from resource_guard.estimate.tracer import CATEGORIES
+    from resource_guard.estimate.trace.tracer import CATEGORIES
 
     g = CATEGORIES.index("gradients")
     points = [sizes for _, sizes in estimate.timeline]

@@ -11,7 +11,7 @@ tensors, so both would reach the console on every estimate.
   exit path; a lock serialises it across threads; nested use redirects once.
 - :func:`quiet_profile`: ``torch.profiler.profile`` recording CPU memory, with only its start and
   stop silenced: what runs inside (the user's code, in
-  :func:`~resource_guard.estimate.measure.measure_training_step`) keeps its stderr.
+  :func:`~resource_guard.estimate.host.measure.measure_training_step`) keeps its stderr.
 - :func:`torch_logs_silenced`: torch's fake-tensor loggers disabled, their state restored after.
 
 Nothing here catches an exception: an error raised inside propagates after fd 2 is restored.

@@ -22,12 +22,12 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.estimate.attached import attached_tensors
-from resource_guard.estimate.attention import attention_for
-from resource_guard.estimate.autocast_regions import AutocastState, applied, routed
-from resource_guard.estimate.cuda_autocast import CudaAutocast
-from resource_guard.estimate.target import Target
-from resource_guard.estimate.tracer import StorageTracker
+from resource_guard.estimate.emulate.attention import attention_for
+from resource_guard.estimate.emulate.autocast_regions import AutocastState, applied, routed
+from resource_guard.estimate.emulate.cuda_autocast import CudaAutocast
+from resource_guard.estimate.emulate.target import Target
+from resource_guard.estimate.trace.attached import attached_tensors
+from resource_guard.estimate.trace.tracer import StorageTracker
 from resource_guard.step.precision import PrecisionSpec
 from resource_guard.step.training import LossFn, default_loss_fn, map_tensors
 
@@ -67,7 +67,7 @@ def fake_copy(model: nn.Module, batch: Any) -> tuple[nn.Module, Any]:
 class FakeModel:
     """A deep copy of ``model`` over fake tensors: its parameters (their attributes, e.g. a quantized
     weight's ``quant_state``, copied onto the fakes), buffers, and the tensors it holds outside them
-    (:func:`~resource_guard.estimate.attached.attached_tensors`). ``dtype_of`` gives each parameter's
+    (:func:`~resource_guard.estimate.trace.attached.attached_tensors`). ``dtype_of`` gives each parameter's
     and buffer's dtype; attached tensors keep theirs. Build inside a ``FakeTensorMode``.
     """
 
@@ -207,7 +207,7 @@ class TargetForward:
     def __enter__(self) -> TargetForward:
         """Within: activation checkpointing recomputes under the target's policy (see ``recompute``),
         and autocast regions the model opens (also in backward: ``custom_bwd``) address the emulated
-        CUDA autocast (:mod:`~resource_guard.estimate.autocast_regions`); all undone on exit."""
+        CUDA autocast (:mod:`~resource_guard.estimate.emulate.autocast_regions`); all undone on exit."""
         if self.recompute_mode is not None:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(applied(AutocastState.now()))  # whatever a leaked region leaves
@@ -281,12 +281,13 @@ def target_forward(
 ) -> tuple[PrecisionSpec, LossFn | None, TargetForward]:
     """The precision and loss function to hand ``training_step`` so its forward runs as on ``target``.
 
-    On a CUDA-like target the forward runs under :class:`~resource_guard.estimate.cuda_autocast.CudaAutocast`
+    On a CUDA-like target the forward runs under
+    :class:`~resource_guard.estimate.emulate.cuda_autocast.CudaAutocast`
     (CUDA's op lists, emulated; the CPU autocast of ``training_step`` is switched off by handing it the
     precision without autocast) and ``scaled_dot_product_attention`` runs the kernel the target would
-    pick (:mod:`resource_guard.estimate.attention`); in backward, only what activation checkpointing
+    pick (:mod:`resource_guard.estimate.emulate.attention`); in backward, only what activation checkpointing
     recomputes, while the record is entered as a context. Autocast regions the model opens inside are
-    honoured as on the GPU (:mod:`resource_guard.estimate.autocast_regions`). The optimizer step and
+    honoured as on the GPU (:mod:`resource_guard.estimate.emulate.autocast_regions`). The optimizer step and
     loss scaling are unchanged. Other targets trace as they are.
     """
     if not target.cuda_like:

@@ -13,12 +13,12 @@ operator's tensors, never the model's), its allocations read from torch.profiler
 and the answer cached by shape. Probes are skipped above ``PROBE_BUDGET_BYTES``; then a rule of thumb
 measured on the same kernels stands in (scaled by the operator's tensor bytes). Reduced-precision
 GEMMs are probed only where this CPU runs them through oneDNN
-(:func:`~resource_guard.estimate.cpu_support.reduced_gemm_packs`; ATen's own loop allocates nothing,
+(:func:`~resource_guard.estimate.host.cpu_support.reduced_gemm_packs`; ATen's own loop allocates nothing,
 and is too slow to probe), and a CPU flash attention costing more than ``PROBE_BUDGET_FLOPS`` is
 probed at one and two heads per thread and extrapolated (its scratch is affine in the heads).
 
 These CPU kernels also stand in for the target's kernels (cuDNN keeps comparable workspaces); the
-allocator model in :mod:`resource_guard.estimate.allocator` adds what only CUDA has.
+allocator model in :mod:`resource_guard.estimate.allocation.allocator` adds what only CUDA has.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from resource_guard.estimate.cpu_support import CpuStepCheck, reduced_gemm_packs
-from resource_guard.estimate.quiet import quiet_profile
+from resource_guard.estimate.host.cpu_support import CpuStepCheck, reduced_gemm_packs
+from resource_guard.estimate.host.quiet import quiet_profile
 
 __all__ = ["KernelExtra", "PROBE_BUDGET_BYTES", "PROBE_BUDGET_FLOPS", "kernel_extra"]
 
@@ -128,7 +128,7 @@ _CACHE: dict[tuple, KernelExtra] = {}
 def _probe(
     func: Any, args: tuple, kwargs: dict, size_of: Callable[[torch.Tensor], int | None]
 ) -> KernelExtra:
-    from resource_guard.estimate.measure import allocation_deltas, peak_of
+    from resource_guard.estimate.host.measure import allocation_deltas, peak_of
 
     def real(a: Any) -> Any:
         if not isinstance(a, torch.Tensor):
@@ -247,8 +247,9 @@ def kernel_extra(
     ``device_kind`` is the target's: the CPU-only kernels (oneDNN's reduced-precision GEMMs, which
     pack their operands into scratch where this CPU lets oneDNN run them, and the CPU flash attention)
     are probed only for CPU targets; on CUDA, cuBLAS works in its workspace (see
-    :mod:`resource_guard.estimate.allocator`). For a CPU target, ``cpu_check`` is told each operator
-    (:class:`~resource_guard.estimate.cpu_support.CpuStepCheck`: what this CPU can run of the step).
+    :mod:`resource_guard.estimate.allocation.allocator`). For a CPU target, ``cpu_check`` is told each
+    operator
+    (:class:`~resource_guard.estimate.host.cpu_support.CpuStepCheck`: what this CPU can run of the step).
     """
     cpu = device_kind == "cpu"
     if cpu and cpu_check is not None:

@@ -2,7 +2,7 @@
 
 The per-rank arithmetic over one single-device trace, used by the planner
 (:mod:`resource_guard.planning.strategy`) and by the estimate of an FSDP2-sharded module
-(:mod:`resource_guard.estimate.fsdp2`).
+(:mod:`resource_guard.estimate.fsdp.fsdp2`).
 
 FSDP (FSDP1 ``MixedPrecision``, FSDP2 ``MixedPrecisionPolicy``) does not run autocast over fp32
 weights. Each unit's parameters are all-gathered in ``param_dtype`` just before the unit runs and
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.estimate.tracer import CATEGORIES
+from resource_guard.estimate.trace.tracer import CATEGORIES
 from resource_guard.step.precision import PrecisionSpec, parse_precision
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """FSDP2's per-rank buffers inside the trace, and the conversion of the trace to one rank.
 
 :class:`RankBuffers` hooks the unsharded copy of a ``fully_shard``-ed module (made by
-:func:`~resource_guard.estimate.fsdp2.unsharded_copy`) so that the fake step allocates and frees
+:func:`~resource_guard.estimate.fsdp.fsdp2.unsharded_copy`) so that the fake step allocates and frees
 what one rank's FSDP2 allocates and frees around each unit, in the order FSDP2 does (checked against
 the ``FSDP::`` records of a real 2-rank gloo step; torch 2.13 ``_fsdp_param_group.py``,
 ``_fsdp_collectives.py``):
@@ -40,14 +40,14 @@ import torch
 from torch import nn
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.estimate.allocator import rank_overhead
+from resource_guard.estimate.allocation.allocator import rank_overhead
+from resource_guard.estimate.fsdp.sharding import FsdpPrecision, phase_peaks, sharded_rank_peak
 from resource_guard.estimate.result import MemoryEstimate
-from resource_guard.estimate.sharding import FsdpPrecision, phase_peaks, sharded_rank_peak
 from resource_guard.step.precision import PrecisionSpec
 from resource_guard.step.training import iter_tensors, map_tensors
 
 if TYPE_CHECKING:
-    from resource_guard.estimate.tracer import StorageTracker
+    from resource_guard.estimate.trace.tracer import StorageTracker
 
 __all__ = ["RankBuffers", "ShardedEstimate", "ShardedLayout", "Unit", "per_rank"]
 
@@ -129,7 +129,7 @@ class ShardedLayout:
         return dataclasses.replace(spec, param_dtype=torch.float32)
 
     def policy(self, spec: PrecisionSpec) -> FsdpPrecision:
-        """The dtypes as :func:`~resource_guard.estimate.sharding.sharded_rank_peak` takes them."""
+        """The dtypes as :func:`~resource_guard.estimate.fsdp.sharding.sharded_rank_peak` takes them."""
         return FsdpPrecision(
             f"{spec.name} / fully_shard", spec.name, "fully_shard", self.param_dtype, self.reduce_dtype,
             self.master_dtype, spec.autocast_dtype,
@@ -141,7 +141,8 @@ class ShardedEstimate(MemoryEstimate):
     """One rank's step of an FSDP2-sharded module: a :class:`MemoryEstimate` whose figures are per rank.
 
     Attributes:
-        layout: the sharding read from the module (:class:`~resource_guard.estimate.fsdp2.ShardedLayout`).
+        layout: the sharding read from the module
+        (:class:`~resource_guard.estimate.fsdp.fsdp2.ShardedLayout`).
         unsharded: the trace the per-rank figures come from (global shapes, parameters in
             ``param_dtype``, FSDP2's buffers of one rank; model state not yet divided). Its timeline
             and allocation events are there.

@@ -35,7 +35,7 @@ every other thread and device. Regions created before the trace (a decorator app
 tests/estimate/test_autocast_regions.py fails loudly if these entry points move.
 
 Example:
-    >>> from resource_guard.estimate.cuda_autocast import CudaAutocast
+    >>> from resource_guard.estimate.emulate.cuda_autocast import CudaAutocast
     >>> x, w = torch.randn(2, 4), torch.nn.Parameter(torch.randn(4, 4))
     >>> with CudaAutocast(torch.bfloat16):
     ...     with torch.autocast(x.device.type, enabled=False):  # x.device.type: "cpu" here

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from resource_guard.estimate.target import Target
+from resource_guard.estimate.emulate.target import Target
 
 __all__ = ["FLASH", "EFFICIENT", "CUDNN", "MATH", "select_backend", "run_backend", "attention_for"]
 

@@ -10,12 +10,12 @@ with the running peak.
 Data-dependent operators are handled without real model-sized memory: values that derive only from
 the batch (attention masks, label counts) are computed for real on small "shadow" tensors. Operators
 whose fake kernel fails otherwise (a data-dependent value nobody knows, a wrong or missing meta
-kernel) are recovered one by one by :class:`~resource_guard.estimate.recovery.Recovery`, which
+kernel) are recovered one by one by :class:`~resource_guard.estimate.trace.recovery.Recovery`, which
 records what it did.
 
 Some operators run out of place only because the trace runs under a dispatch mode; the real step runs
 them in place (autograd's gradient accumulation, ATen's composites that fill a zero buffer):
-:mod:`~resource_guard.estimate.in_place` tells which, and the tracker lets such an operator's output
+:mod:`~resource_guard.estimate.trace.in_place` tells which, and the tracker lets such an operator's output
 take over its source's buffer when the source dies with the operator.
 """
 
@@ -36,8 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from resource_guard.estimate.composite import CompositeOps
-from resource_guard.estimate.in_place import (
+from resource_guard.estimate.trace.composite import CompositeOps
+from resource_guard.estimate.trace.in_place import (
     ZERO_FILLS,
     InPlace,
     accumulates,
@@ -46,7 +46,7 @@ from resource_guard.estimate.in_place import (
     is_query,
     merge_events,
 )
-from resource_guard.estimate.recovery import Recovery
+from resource_guard.estimate.trace.recovery import Recovery
 from resource_guard.step.batching import SHADOW_MAX_NUMEL
 
 __all__ = ["CATEGORIES", "PeakRecord", "SHADOW_MAX_NUMEL", "StorageTracker"]

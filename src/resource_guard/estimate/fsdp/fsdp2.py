@@ -8,8 +8,8 @@ unsharded copy built from the global shapes (:func:`unsharded_copy`: nothing is 
 of model size allocated), with the parameters in the gathered ``param_dtype``, buffers in their own
 dtype, and hooks on each unit that cast its inputs and outputs as FSDP2 does and allocate one rank's
 gathered parameters and reduce-scatter buffers in FSDP2's order
-(:class:`~resource_guard.estimate.fsdp2_step.RankBuffers`). The trace is then divided into one
-rank's share (:func:`~resource_guard.estimate.fsdp2_step.per_rank`): master, gradient and
+(:class:`~resource_guard.estimate.fsdp.fsdp2_step.RankBuffers`). The trace is then divided into one
+rank's share (:func:`~resource_guard.estimate.fsdp.fsdp2_step.per_rank`): master, gradient and
 optimizer-state shards (the optimizer's state is per parameter, so a rank holds that of its shards).
 
 Not handled, refused with the remedy: FSDP1 ``FullyShardedDataParallel``, tensor-parallel meshes
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.estimate.fsdp2_step import RankBuffers, ShardedLayout, Unit
+from resource_guard.estimate.fsdp.fsdp2_step import RankBuffers, ShardedLayout, Unit
 from resource_guard.step.training import OptimizerArg
 
 __all__ = [
@@ -240,7 +240,7 @@ def unsharded_copy(
 
     Each DTensor parameter becomes a ``meta`` parameter of its global shape in ``param_dtype``;
     buffers are kept (the estimate fakes them); the FSDP classes, state and hooks are left out, and
-    each unit gets :class:`~resource_guard.estimate.fsdp2_step.RankBuffers`' hooks, which also do
+    each unit gets :class:`~resource_guard.estimate.fsdp.fsdp2_step.RankBuffers`' hooks, which also do
     what FSDP2 does to its inputs (``cast_forward_inputs``) and outputs (``output_dtype``). The
     optimizer keeps its type, hyperparameters and hooks, over the new parameters, without state (the
     estimate creates a steady-state one; it is per parameter, so a rank holds that of its shards).

@@ -46,8 +46,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from resource_guard.devices import cpu_summary
-from resource_guard.estimate.measure import allocation_deltas
-from resource_guard.estimate.quiet import quiet_profile
+from resource_guard.estimate.host.measure import allocation_deltas
+from resource_guard.estimate.host.quiet import quiet_profile
 
 __all__ = [
     "MAY_LACK_KERNEL",

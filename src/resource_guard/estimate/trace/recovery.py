@@ -9,7 +9,7 @@ remembers what it did, in this order:
 1. ``rule``: a corrected fake rule (:data:`FAKE_RULES`): output shapes and dtypes from the inputs, as
    the real kernel allocates them;
 2. ``shadow``: every tensor input has a real *shadow* value (batch-derived, see
-   :class:`~resource_guard.estimate.tracer.StorageTracker`): the real kernel runs on the shadows, exact;
+   :class:`~resource_guard.estimate.trace.tracer.StorageTracker`): the real kernel runs on the shadows, exact;
 3. ``real``: the real kernel runs on zero tensors of the inputs' shapes and strides (shadows where
    known), only when those fit :data:`REAL_BUDGET_BYTES`; the outputs become fresh fake tensors of the
    real outputs' shapes; ``unique``'s 1-D outputs are widened to the largest input (``widened``:

@@ -2,13 +2,13 @@
 
 CUDA autocast cannot run in an estimate: on a CPU-only build ``torch.autocast("cuda")`` switches
 itself off, and autograd on fake CUDA tensors aborts the process. So the policy of
-:mod:`resource_guard.estimate.target` is applied here, one level above autograd as the real
+:mod:`resource_guard.estimate.emulate.target` is applied here, one level above autograd as the real
 ``AutocastCUDA`` kernels are: a ``TorchFunctionMode`` sees ``linear``, ``layer_norm``, ``softmax``,
 ``cross_entropy`` ... and casts their arguments, caching the low-precision copy of each float32 leaf
 weight for the autocast region (a weight used twice is cast once, and its copy lives until the region
 ends or backward frees it, as on CUDA). Autograd records the casts, so backward keeps what CUDA keeps.
 The state it applies is the thread's CUDA autocast state, which the autocast regions the model opens
-inside change as on a GPU (:mod:`resource_guard.estimate.autocast_regions`): ``enabled=False`` turns
+inside change as on a GPU (:mod:`resource_guard.estimate.emulate.autocast_regions`): ``enabled=False`` turns
 the policy off, a region with another dtype switches it.
 
 Dropout, with or without autocast: on CUDA ``at::dropout`` runs the fused ``native_dropout`` kernel
@@ -32,8 +32,8 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.estimate.autocast_regions import emulated_lower, outer_region
-from resource_guard.estimate.target import (
+from resource_guard.estimate.emulate.autocast_regions import emulated_lower, outer_region
+from resource_guard.estimate.emulate.target import (
     APPEND_DTYPE,
     BANNED,
     FP32,
@@ -77,7 +77,8 @@ class CudaAutocast(TorchFunctionMode):
     """CUDA autocast (``dtype`` float16 or bfloat16) applied to CPU fake tensors, for the forward pass.
 
     ``attention`` runs ``scaled_dot_product_attention`` after its inputs were cast (see
-    :mod:`resource_guard.estimate.attention`); ``dtype=None`` applies no autocast of its own, only that
+    :mod:`resource_guard.estimate.emulate.attention`); ``dtype=None`` applies no autocast of its own, only
+    that
     (a region the model opens may still turn autocast on, as on a GPU).
     ``calls`` counts, per policy, the calls that were cast. ``cache=False`` casts weights afresh each
     time (activation checkpointing recomputes a block in its own short autocast region).
