@@ -231,8 +231,7 @@ def _trace(
     notes = [f"recovered {line}" for line in recovered] + composite.notes()
     unsupported = cpu_check.unsupported if cpu_check is not None else ()
     unknown = cpu_check.unknown if cpu_check is not None else ()
-    notes += [f"this CPU cannot run the step: {u.describe()}" for u in unsupported]
-    notes += [f"this CPU may not run the step (unknown): {u.describe()}" for u in unknown]
+    notes += cpu_check.notes() if cpu_check is not None else []
     keep = lambda ph: not ph.startswith("optimizer:") or ph == f"optimizer:{variant}"  # noqa: E731
     persistent = sum(best.breakdown[c] for c in ("parameters", "optimizer_state", "other"))
     return MemoryEstimate(

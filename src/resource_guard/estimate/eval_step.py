@@ -165,8 +165,7 @@ def _trace(
     notes = [f"recovered {line}" for line in recovered] + composite.notes()
     unsupported = cpu_check.unsupported if cpu_check is not None else ()
     unknown = cpu_check.unknown if cpu_check is not None else ()
-    notes += [f"this CPU cannot run the step: {u.describe()}" for u in unsupported]
-    notes += [f"this CPU may not run the step (unknown): {u.describe()}" for u in unknown]
+    notes += cpu_check.notes() if cpu_check is not None else []
     resident = "parameters" + (", optimizer state" if optimizer is not None else "")
     resident += ", gradients" if any(with_grad) else ""
     persistent = sum(best.breakdown[c] for c in ("parameters", "optimizer_state", "other"))

@@ -283,6 +283,12 @@ class CpuStepCheck:
         """The calls no probe could answer."""
         return tuple(a for a in self._answers if a.runs is None)
 
+    def notes(self) -> list[str]:
+        """The estimate's warning lines: each call this CPU cannot run, then each no probe could answer."""
+        return [f"this CPU cannot run the step: {u.describe()}" for u in self.unsupported] + [
+            f"this CPU may not run the step (unknown): {u.describe()}" for u in self.unknown
+        ]
+
 
 def reduced_gemm_packs(dtype: torch.dtype) -> bool:
     """Whether this CPU's ``dtype`` (bf16/fp16) matmuls go through oneDNN, which allocates packing scratch.
