@@ -29,7 +29,7 @@ Example:
     ...     for x, y in g.iterate(data):
     ...         with g.autocast():
     ...             loss = torch.nn.functional.mse_loss(model(x), y)
-    ...         g.backward(loss)
+    ...         stepped = g.backward(loss)  # True when the optimizer stepped
     >>> g.optimizer_steps
     2
 """
