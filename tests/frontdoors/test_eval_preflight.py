@@ -5,7 +5,6 @@ what Lightning holds during validation is what the estimate assumes."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import lightning.pytorch as L
 import pytest
@@ -13,7 +12,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import resource_guard
 from resource_guard import ConfigurationError, DoesNotFitError, guard
 from resource_guard.devices import resolve_device
 from resource_guard.estimate.eval_step import estimate_eval_memory
@@ -361,37 +359,9 @@ result["calls"] = net.calls
 
 @pytest.mark.slow
 def test_ddp_ranks_stop_together_when_one_ranks_validation_does_not_fit(tmp_path):
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+    from lightning_ddp_launch import run_lightning_ddp
 
-    script, out = tmp_path / "run.py", tmp_path / "out"
-    script.write_text(DDP_SCRIPT)
-    out.mkdir()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    # the package under test, also where it is not the installed one (a relative PYTHONPATH, a worktree)
-    source = str(Path(resource_guard.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (source, env.get("PYTHONPATH"))))
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(out)], cwd=tmp_path, env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        stdout, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the DDP run hung:\n{proc.communicate()[0][-4000:]}")
-    deadline = time.monotonic() + 120  # rank 1 may finish a little after rank 0's launcher
-    while time.monotonic() < deadline and not (out / "rank1.json").exists():
-        time.sleep(0.2)
-    found = [out / f"rank{r}.json" for r in (0, 1)]
-    ranks = [json.loads(path.read_text()) for path in found if path.exists()]
-    assert len(ranks) == 2, stdout[-4000:]
+    _, _, ranks = run_lightning_ddp(tmp_path, DDP_SCRIPT)
     r0, r1 = ranks
     assert r0["error_type"] == r1["error_type"] == "DoesNotFitError"
     assert r0["error"] == r1["error"] and "pre-flight failed on rank 1" in r0["error"]

@@ -6,16 +6,13 @@ subprocess (with a timeout: a hang fails the test) and reads what every rank wro
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+
+from lightning_ddp_launch import run_lightning_ddp
 
 pytestmark = pytest.mark.slow
 
@@ -119,35 +116,8 @@ SCRIPT = textwrap.dedent(
 def run_ddp(
     tmp_path: Path, mode: str, timeout_s: float = 240
 ) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    script = tmp_path / "ddp_run.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / "out"
-    out.mkdir()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)  # a fresh job: Lightning picks a free port and launches rank 1 itself
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(out), mode], cwd=tmp_path, env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        stdout, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, _ = proc.communicate()
-        pytest.fail(f"DDP run ({mode}) hung for {timeout_s} s:\n{stdout[-4000:]}")
-    # rank 1 is a child of rank 0's launcher: it may finish a bit later (the deadline only bounds a hang)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (out / "rank1.json").exists():
-        time.sleep(0.2)
-    with __import__("contextlib").suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    completed = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "")
-    ranks = [
-        json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1) if (out / f"rank{r}.json").exists()
-    ]
-    assert len(ranks) == 2, f"both ranks must report:\n{stdout[-4000:]}"
-    return completed, ranks
+    code, stdout, ranks = run_lightning_ddp(tmp_path, SCRIPT, mode, timeout_s=timeout_s)
+    return subprocess.CompletedProcess(["ddp_script.py", mode], code, stdout, ""), ranks
 
 
 def test_ranks_agree_on_the_most_conservative_plan_and_only_rank_zero_writes(tmp_path):

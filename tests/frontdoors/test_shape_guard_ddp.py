@@ -8,19 +8,12 @@ runs a small script in a subprocess with a timeout (a hang fails the test), as
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
-import resource_guard
+from lightning_ddp_launch import run_lightning_ddp
 
 pytestmark = pytest.mark.slow
 
@@ -100,34 +93,7 @@ SCRIPT = textwrap.dedent(
 
 
 def run_ddp(tmp_path: Path, mode: str, timeout_s: float = 240) -> tuple[int, str, list[dict]]:
-    script = tmp_path / "ddp_shapes.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / "out"
-    out.mkdir()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    source = str(Path(resource_guard.__file__).resolve().parents[1])  # this checkout, not an installed copy
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
-    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)  # a fresh job: Lightning picks a free port and launches rank 1 itself
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(out), mode], cwd=tmp_path, env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        stdout, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, _ = proc.communicate()
-        pytest.fail(f"DDP run ({mode}) hung for {timeout_s} s:\n{stdout[-4000:]}")
-    deadline = time.monotonic() + 120  # rank 1 is a child of rank 0's launcher: it may finish later
-    while time.monotonic() < deadline and not (out / "rank1.json").exists():
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    files = [out / f"rank{r}.json" for r in (0, 1)]
-    ranks = [json.loads(f.read_text()) for f in files if f.exists()]
-    assert len(ranks) == 2, f"both ranks must report:\n{stdout[-4000:]}"
-    return proc.returncode, stdout, ranks
+    return run_lightning_ddp(tmp_path, SCRIPT, mode, timeout_s=timeout_s)
 
 
 def test_every_rank_stops_before_a_long_batch_only_one_rank_sees(tmp_path):
