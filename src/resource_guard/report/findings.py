@@ -118,7 +118,12 @@ class Report:
     def from_dict(cls, data: Mapping[str, Any]) -> Report:
         findings = tuple(
             Finding(
-                f["id"], f["severity"], f["title"], dict(f.get("evidence", {})), tuple(f.get("advice", ()))
+                f["id"],
+                f["severity"],
+                f["title"],
+                dict(f.get("evidence", {})),
+                tuple(f.get("advice", ())),
+                f.get("predicted_step_s"),
             )
             for f in data.get("findings", ())
         )

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SEVERITIES", "FINDING_IDS", "Finding", "ProfileSummary", "RunStats", "available_cores"]
+__all__ = ["SEVERITIES", "FINDING_IDS", "PHASES", "Finding", "ProfileSummary", "RunStats", "available_cores"]
 
 SEVERITIES = ("info", "warning", "critical")
 FINDING_IDS = (
@@ -28,7 +28,34 @@ FINDING_IDS = (
     "memory-growth",
     "fragmentation",
     "shapes",
+    # where the time goes (issue 29): each states its measured share of the step (an evidence key
+    # ending in ``share``) and the step time predicted without its cause (``Finding.predicted_step_s``)
+    "optimizer-step",
+    "host-loop",
+    "evaluation",
+    "checkpoint-io",
+    "logging",
+    "casts",
+    "host-sync",
+    "threads",
+    "recompiles",
+    "comm-bound",
     "healthy",
+)
+# The phases a training step's wall time is split into (``RunStats.phases``: mean seconds per step),
+# timed at the front doors' own boundaries; they add up to the step's wall time, ``other`` being what
+# remains. ``communication`` is exposed (not hidden by compute) communication, from the profiler window.
+PHASES = (
+    "data_wait",
+    "forward",
+    "backward",
+    "optimizer",
+    "host",
+    "evaluation",
+    "checkpoint",
+    "logging",
+    "communication",
+    "other",
 )
 
 
@@ -106,6 +133,8 @@ class Finding:
         title: one line for people.
         evidence: the numbers behind it (JSON-ready).
         advice: what to change, most effective first.
+        predicted_step_s: the step time (seconds) predicted once the advice removes the cause; ``None``
+            for findings that are not about time.
     """
 
     id: str
@@ -113,6 +142,7 @@ class Finding:
     title: str
     evidence: Mapping[str, Any] = field(default_factory=dict)
     advice: tuple[str, ...] = ()
+    predicted_step_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -121,6 +151,7 @@ class Finding:
             "title": self.title,
             "evidence": dict(self.evidence),
             "advice": list(self.advice),
+            "predicted_step_s": self.predicted_step_s,
         }
 
 
@@ -177,6 +208,7 @@ class RunStats:
     reserved_gap_bytes: int | None = None
     expandable_segments: bool | None = None
     shapes: Mapping[str, Any] | None = None  # the front doors' shape guard: shapes seen, splits, stops
+    phases: Mapping[str, float] | None = None  # mean seconds per step by phase (keys from PHASES)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -186,6 +218,7 @@ class RunStats:
         out["oom"] = None if self.oom is None else dict(self.oom)
         out["memory_growth"] = None if self.memory_growth is None else dict(self.memory_growth)
         out["shapes"] = None if self.shapes is None else dict(self.shapes)
+        out["phases"] = None if self.phases is None else dict(self.phases)
         return out
 
     @classmethod
