@@ -187,7 +187,7 @@ def test_report_round_trips_through_json_and_renders_markdown() -> None:
     r = analyze(stats)
     data = json.loads(json.dumps(r.to_dict()))
     assert data["verdict"] == "input-bound" and data["findings"][0]["id"] == "input-bound"
-    assert set(data["findings"][0]) == {"id", "severity", "title", "evidence", "advice"}
+    assert set(data["findings"][0]) == {"id", "severity", "title", "evidence", "advice", "predicted_step_s"}
     again = Report.from_dict(data)
     assert again == r
     md = r.to_markdown()
