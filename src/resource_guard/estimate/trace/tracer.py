@@ -47,6 +47,7 @@ from resource_guard.estimate.trace.in_place import (
     merge_events,
 )
 from resource_guard.estimate.trace.recovery import Recovery
+from resource_guard.estimate.trace.sparse import SparseOps, is_sparse, sparse_parts
 from resource_guard.step.batching import SHADOW_MAX_NUMEL
 
 __all__ = ["CATEGORIES", "PeakRecord", "SHADOW_MAX_NUMEL", "StorageTracker"]
@@ -124,6 +125,8 @@ class StorageTracker(TorchDispatchMode):
             kernel allocates and frees inside the operator, and its true output sizes.
         record_timeline: keep the live total by category after every operator.
         composite: the custom operators to run through their composite kernel (``None``: none).
+        sparse: the operators that make sparse tensors, run as the target's kernels
+            (:mod:`~resource_guard.estimate.trace.sparse`; ``None``: their fake rules).
     """
 
     def __init__(
@@ -132,10 +135,12 @@ class StorageTracker(TorchDispatchMode):
         *,
         record_timeline: bool = True,
         composite: CompositeOps | None = None,
+        sparse: SparseOps | None = None,
     ) -> None:
         super().__init__()
         self._kernel_extra = kernel_extra
         self.composite = composite
+        self.sparse = sparse
         self._live: dict[int, list[Any]] = {}  # id(storage) -> [nbytes, category, uid]
         self._uids = itertools.count()
         self.totals = dict.fromkeys(CATEGORIES, 0)
@@ -161,8 +166,19 @@ class StorageTracker(TorchDispatchMode):
         """Register ``t``'s storage (if new) under ``category`` (default: the phase's category).
 
         ``nbytes`` overrides the storage's size where the real kernel's output is larger than the
-        fake one (see ``_kernels``).
+        fake one (see ``_kernels``). A sparse tensor is tracked by its parts (indices, values); a part
+        that is the batch's, a parameter's or the optimizer's (a gradient's indices viewing the batch's)
+        keeps its category.
         """
+        if is_sparse(t):
+            with _disable_current_modes():  # its parts, without an operator of the trace
+                parts = sparse_parts(t)
+            for part in parts:
+                st = _storage(part)
+                entry = self._live.get(id(st)) if st is not None else None
+                owned = entry is None or entry[1] in ("activations", "temporaries", "gradients")
+                self.track(part, category if owned else None)
+            return
         st = _storage(t)
         if st is None:
             return
@@ -322,7 +338,9 @@ class StorageTracker(TorchDispatchMode):
         if real is None and _constant_factory(func, args, kwargs):
             real = (args, kwargs)  # a small constant made in the step (``torch.ones`` mask): its value
         ran, out = False, None
-        if self.composite is not None:
+        if self.sparse is not None and self.sparse.handles(func):
+            ran, out = self.sparse.run(func, self, args, kwargs, phase=self.phase)
+        if not ran and self.composite is not None:
             ran, out = self.composite.run(func, self, args, kwargs, in_forward=self.phase == "forward")
         try:
             out = out if ran else func(*args, **kwargs)
