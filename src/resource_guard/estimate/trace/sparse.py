@@ -30,8 +30,8 @@ re-entered), and the sparse result is assembled from those parts
   new indices when ``sparse_dim == 1``), two ``nnz`` int64 buffers (``origIndices``,
   ``uniqueOffsets``) and Thrust's ``sort_by_key`` scratch (taken as one double buffer of keys and
   values, ``2 × nnz`` int64), and values of the distinct rows only.
-- ``dense.sparse_mask(coalesced)`` (CPU): values and int64 indices of the mask's rows, and a
-  temporary of the values' size.
+- ``dense.sparse_mask(coalesced)`` (``sparse/SparseTensor.cpp``, CPU, as measured): values and int64
+  indices of the mask's rows, a temporary of the values' size and a scalar; taken alike on CUDA.
 - ``sparse + sparse`` (``SparseTensorMath.cpp``, ``sparse/cuda/SparseCUDATensorMath.cu``): the indices
   and values of both, concatenated (``n1 + n2`` rows); CUDA never merges, the CPU merges two coalesced
   operands into storage of the same ``n1 + n2`` rows.
@@ -261,10 +261,11 @@ class SparseOps:
     def _sparse_mask(self, dense: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         rows, sd = int(mask._nnz()), mask.sparse_dim()
         shape = (rows, *dense.shape[sd:])
+        one = _empty((), dense.dtype)  # a scalar of the projection
         values = _empty(shape, dense.dtype)
         indices = _empty((sd, rows), _LONG)
         temp = _empty(shape, dense.dtype)
-        del temp
+        del temp, one
         out = _coo(mask, indices, values, mask.is_coalesced())
         self._inherit(out, mask)
         return out
