@@ -257,6 +257,7 @@ def _trace(
         allocations=tuple(_events_for(tracker, spans, variant)),
         initial_allocations=initial,
         gradient_allocations=tracker.gradient_uids,
+        sparse_gradient_allocations=tracker.sparse_gradient_uids,
         trace_seconds=time.perf_counter() - started,
         assumed_target=forward.describe(spec.name),
         recovered_ops=recovered,

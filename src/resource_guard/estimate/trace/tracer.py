@@ -148,6 +148,8 @@ class StorageTracker(TorchDispatchMode):
         self.phase = "setup"
         self.gradient_uids: tuple[tuple[int, int], ...] = ()  # (uid, events recorded when accumulated)
         self._gradient_ready: dict[int, int] = {}
+        self._sparse_gradients: dict[int, int] = {}  # uid of a sparse gradient's values -> next accumulation's bytes
+        self.sparse_gradient_uids: tuple[tuple[int, int], ...] = ()
         self.recording = False
         self.peaks: dict[str, PeakRecord] = {}
         self.events: list[tuple[int, int]] = []  # (uid, +nbytes alloc | -nbytes free)
@@ -178,6 +180,8 @@ class StorageTracker(TorchDispatchMode):
                 entry = self._live.get(id(st)) if st is not None else None
                 owned = entry is None or entry[1] in ("activations", "temporaries", "gradients")
                 self.track(part, category if owned else None)
+            if category == "gradients" and t.layout == torch.sparse_coo:
+                self._note_sparse_gradient(parts[1], t.sparse_dim())
             return
         st = _storage(t)
         if st is None:
@@ -201,6 +205,17 @@ class StorageTracker(TorchDispatchMode):
         if self.recording:
             self.events.append((uid, nbytes))
         weakref.finalize(st, self._free, key, uid)
+
+    def _note_sparse_gradient(self, values: torch.Tensor, sparse_dim: int) -> None:
+        """A sparse gradient: the next micro-step's accumulation concatenates the old rows and the new
+        (``sparse += sparse``; :mod:`~resource_guard.estimate.trace.sparse`), allocating both again."""
+        st = _storage(values)
+        entry = self._live.get(id(st)) if st is not None else None
+        if entry is None or entry[1] != "gradients":
+            return
+        rows = values.shape[0] if values.dim() else 0
+        row_bytes = values[0].numel() * values.element_size() if rows else 0
+        self._sparse_gradients[entry[2]] = 2 * rows * (row_bytes + 8 * sparse_dim)
 
     def live_storages(self) -> tuple[tuple[int, int], ...]:
         """``(id, bytes)`` of every live tracked storage."""
@@ -242,6 +257,9 @@ class StorageTracker(TorchDispatchMode):
             ready = self._gradient_ready
             grads = [uid for _, cat, uid in self._live.values() if cat == "gradients"]
             self.gradient_uids = tuple((self._alias.get(uid, uid), ready.get(uid, -1)) for uid in grads)
+            self.sparse_gradient_uids = tuple(
+                (self._alias.get(uid, uid), n) for uid, n in self._sparse_gradients.items() if uid in grads
+            )
         self._observe(phase, "<start>", 0)
 
     def _settle(self) -> None:
