@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from cpu_reference import measure_reference
 from resource_guard import estimate_memory
 from resource_guard.estimate.trace.sparse import SparseOps, is_sparse, sparse_parts
-from tests.cpu_reference import measure_reference
 
 
 class Recommender(nn.Module):
@@ -19,8 +19,10 @@ class Recommender(nn.Module):
     def __init__(self, rows: tuple[int, ...], dim: int, mode: str = "sum", bags: bool = True) -> None:
         super().__init__()
         self.bags = bags
-        table = (lambda r: nn.EmbeddingBag(r, dim, mode=mode, sparse=True)) if bags else (
-            lambda r: nn.Embedding(r, dim, sparse=True)
+        table = (
+            (lambda r: nn.EmbeddingBag(r, dim, mode=mode, sparse=True))
+            if bags
+            else (lambda r: nn.Embedding(r, dim, sparse=True))
         )
         self.tables = nn.ModuleList(table(r) for r in rows)
         self.dense = nn.Sequential(nn.Linear(13, 64), nn.ReLU(), nn.Linear(64, dim))
@@ -62,7 +64,9 @@ CASES = {
     "bag-sum/sgd (4 tables)": dict(rows=(20000, 10000, 5000, 2000), dim=64, mode="sum", optimizer="sgd"),
     "bag-mean/adagrad": dict(rows=(20000, 5000), dim=32, mode="mean", optimizer="adagrad", hot=300),
     "embedding/sgd": dict(rows=(20000, 5000), dim=32, mode="sum", optimizer="sgd", bags=False),
-    "embedding/sparse-adam": dict(rows=(20000, 5000), dim=32, mode="sum", optimizer="sparse_adam", bags=False),
+    "embedding/sparse-adam": dict(
+        rows=(20000, 5000), dim=32, mode="sum", optimizer="sparse_adam", bags=False
+    ),
     "bag-sum/sparse-adam": dict(rows=(20000, 5000), dim=32, mode="sum", optimizer="sparse_adam", hot=3000),
 }
 
@@ -87,7 +91,9 @@ def test_a_later_micro_step_counts_the_concatenated_sparse_gradient() -> None:
     assert any("sparse gradients grow" in note for note in later.notes)
     real = measure_reference(est, *_build(**case), _loss, gradients_kept=True)
     error = (later.allocated_peak_bytes - real.peak_bytes) / real.peak_bytes
-    assert 0 <= error <= 0.01, f"later micro-step: {later.allocated_peak_bytes} vs {real.peak_bytes} ({error:+.2%})"
+    assert 0 <= error <= 0.01, (
+        f"later micro-step: {later.allocated_peak_bytes} vs {real.peak_bytes} ({error:+.2%})"
+    )
     assert later.allocated_peak_bytes > est.peak_bytes  # the rows are held twice
 
 
@@ -110,7 +116,9 @@ def test_distinct_rows_come_from_the_batch_and_are_said() -> None:
 
 
 def test_without_the_batch_values_distinct_rows_are_bounded_by_the_indices() -> None:
-    model, opt, (dense, idx, offsets, y) = _build(rows=(20000,), dim=32, mode="sum", optimizer="adagrad", hot=50)
+    model, opt, (dense, idx, offsets, y) = _build(
+        rows=(20000,), dim=32, mode="sum", optimizer="adagrad", hot=50
+    )
     known = estimate_memory(model, opt, (dense, idx, offsets, y), _loss, device="cpu")
     meta = [torch.empty(i.shape, dtype=i.dtype, device="meta") for i in idx]  # values unknown
     bounded = estimate_memory(model, opt, (dense, meta, offsets, y), _loss, device="cpu")

@@ -53,7 +53,7 @@ def live_bytes(*objects: Any) -> int:
             tensors = [v for st in obj.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         else:
             tensors = iter_tensors(obj)
-        for t in [part for t in tensors for part in (sparse_parts(t) if is_sparse(t) else (t,))]:
+        for t in [p for whole in tensors for p in (sparse_parts(whole) if is_sparse(whole) else (whole,))]:
             to_local = getattr(t, "to_local", None)
             if callable(to_local):  # a DTensor (FSDP2): this rank's shard
                 t = to_local()
@@ -130,6 +130,7 @@ def measure_training_step(
     model.train()
     for _ in range(warmup_steps):
         training_step(model, optimizer, batch, loss_fn, spec, "cpu", loss_scale=scale)
+
     def earlier_micro_step() -> None:  # forward and backward, no optimizer step
         with autocast_context(spec, "cpu"):
             loss = call_loss_fn(model, batch, loss_fn)

@@ -160,9 +160,10 @@ class SparseOps:
             if not sparse or any(a.layout != torch.sparse_coo for a in sparse):
                 return False, None
             with mode:
-                out = self._coo_op(func, args, kwargs, phase)
-            if out is None:
+                made = self._coo_op(func, args, kwargs, phase)
+            if made is None:
                 return False, None
+            out = made
         self.made[func._schema.name.split("::")[-1]] += 1
         return True, out
 
@@ -201,7 +202,9 @@ class SparseOps:
         if func is _aten._coalesce.default:
             return self._coalesce(args[0])
         if func is _aten.sparse_mask.default:
-            return self._sparse_mask(args[0], args[1]) if is_sparse(args[1]) and not is_sparse(args[0]) else None
+            return (
+                self._sparse_mask(args[0], args[1]) if is_sparse(args[1]) and not is_sparse(args[0]) else None
+            )
         if func in (_aten.add.Tensor, _aten.add_.Tensor):
             a, b = args[0], args[1]
             if is_sparse(a) and is_sparse(b) and func is _aten.add.Tensor:

@@ -148,7 +148,9 @@ class StorageTracker(TorchDispatchMode):
         self.phase = "setup"
         self.gradient_uids: tuple[tuple[int, int], ...] = ()  # (uid, events recorded when accumulated)
         self._gradient_ready: dict[int, int] = {}
-        self._sparse_gradients: dict[int, int] = {}  # uid of a sparse gradient's values -> next accumulation's bytes
+        self._sparse_gradients: dict[
+            int, int
+        ] = {}  # uid of a sparse gradient's values -> next accumulation's bytes
         self.sparse_gradient_uids: tuple[tuple[int, int], ...] = ()
         self.recording = False
         self.peaks: dict[str, PeakRecord] = {}
