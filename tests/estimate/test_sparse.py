@@ -126,7 +126,7 @@ def test_without_the_batch_values_distinct_rows_are_bounded_by_the_indices() -> 
     assert bounded.peak_bytes > known.peak_bytes
 
 
-def test_cuda_target_scales_the_values_before_adding_them() -> None:
+def test_cuda_target_follows_the_cuda_kernels() -> None:
     """``dense.add_(sparse, alpha=-lr)`` on CUDA makes ``values.mul(alpha)`` (nnz x dim); not on the CPU."""
     model = nn.EmbeddingBag(100000, 64, mode="sum", sparse=True)
     idx, offsets = torch.randint(0, 100000, (4096,)), torch.arange(0, 4096, 8)
@@ -139,6 +139,8 @@ def test_cuda_target_scales_the_values_before_adding_them() -> None:
     cuda = estimate_memory(model, opt, (idx, offsets), loss, device="cuda")
     grown = cuda.phase_peak_bytes["optimizer"] - cpu.phase_peak_bytes["optimizer"]
     assert grown == 4096 * 64 * 4
+    # and CUDA's forward keeps every index's bag (offset2bag, int64), which the CPU's leaves empty
+    assert cuda.phase_peak_bytes["forward"] - cpu.phase_peak_bytes["forward"] == 4096 * 8
 
 
 def test_sparse_parts_and_handled_operators() -> None:

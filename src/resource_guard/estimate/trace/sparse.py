@@ -18,6 +18,9 @@ re-entered), and the sparse result is assembled from those parts
   sizes), and the indices are the batch's own, reshaped (a view when they are int64, else an int64
   copy). ``nnz`` is the number of indices, not of distinct rows: it is known from shapes alone.
   ``mode="max"`` has no sparse gradient (``F.embedding_bag`` refuses it).
+- ``_embedding_bag`` on CUDA (``EmbeddingBag.cu``, ``_embedding_bag_cuda``) keeps ``offset2bag`` (``n``
+  int64, saved for backward) in every mode, where the CPU kernel leaves it empty for ``sum`` and the
+  backward rebuilds it: a CUDA target's trace makes it in the forward (dense and sparse tables alike).
 - ``Embedding(sparse=True)``'s backward is a composite (``embedding_sparse_backward``) traced as it is.
 - Autograd's ``AccumulateGrad`` (``torch/csrc/autograd/functions/accumulate_grad.h``) keeps the sparse
   gradient without copying when its indices and values are contiguous (a shallow copy), else clones
@@ -109,6 +112,7 @@ class SparseOps:
 
     _FUNCS = frozenset(
         {
+            _aten._embedding_bag.default,
             _aten._embedding_bag_backward.default,
             _aten.clone.default,
             _aten._coalesce.default,
@@ -125,6 +129,7 @@ class SparseOps:
         self.distinct: Counter[str] = Counter()  # coalesce whose row count is the batch's own
         self.bounded: Counter[str] = Counter()  # coalesce whose row count is bounded by nnz
         self.made: Counter[str] = Counter()  # sparse results made here, by operator
+        self.grown = 0  # in-place sparse + sparse: the tensor grows by the rows added, every call
 
     def handles(self, func: Any) -> bool:
         """Whether ``func`` is one of the operators this class may run (with sparse operands)."""
@@ -135,6 +140,15 @@ class SparseOps:
         (re-entered); ``(False, None)`` where the operator makes no sparse tensor (the caller runs it)."""
         if func not in self._FUNCS:
             return False, None
+        if func is _aten._embedding_bag.default:
+            if not self.cuda:
+                return False, None
+            out = func(*args, **kwargs)
+            indices = args[1]
+            if out[1].numel() == 0 and indices.numel() != 0:  # CUDA keeps every index's bag
+                with mode:
+                    out = (out[0], torch.empty(indices.shape[:1], dtype=indices.dtype), *out[2:])
+            return True, out
         if func is _aten._embedding_bag_backward.default:
             if not _flag(args, kwargs, 9, "sparse"):
                 return False, None
@@ -209,6 +223,8 @@ class SparseOps:
             a, b = args[0], args[1]
             if is_sparse(a) and is_sparse(b) and func is _aten.add.Tensor:
                 return self._concat(a, b)
+            if is_sparse(a) and is_sparse(b):  # in place (SGD's momentum over a sparse gradient)
+                self.grown += 1
         return None
 
     def _clone(self, x: torch.Tensor, *, shallow: bool) -> torch.Tensor:
@@ -316,6 +332,11 @@ class SparseOps:
             out.append(
                 "sparse gradients: the number of distinct rows `coalesce` keeps is not known from the "
                 "batch; bounded by the number of indices (an upper bound)"
+            )
+        if self.grown:
+            out.append(
+                f"`sparse.add_(sparse)` ({self.grown}x, e.g. SGD momentum over a sparse gradient): the "
+                "tensor grows by the added rows at every call, step after step; not counted (no steady state)"
             )
         return out
 
