@@ -114,6 +114,7 @@ class SparseOps:
         {
             _aten._embedding_bag.default,
             _aten._embedding_bag_backward.default,
+            _aten.embedding_sparse_backward.default,
             _aten.clone.default,
             _aten._coalesce.default,
             _aten.sparse_mask.default,
@@ -148,6 +149,13 @@ class SparseOps:
             if out[1].numel() == 0 and indices.numel() != 0:  # CUDA keeps every index's bag
                 with mode:
                     out = (out[0], torch.empty(indices.shape[:1], dtype=indices.dtype), *out[2:])
+            return True, out
+        if func is _aten.embedding_sparse_backward.default:
+            # reached whole from inside ``_embedding_bag_sparse_backward``: its operators are traced
+            # (``padding_idx`` drops that index's rows: a mask and an index, from the batch's values)
+            with mode:
+                out = func.decompose(*args, **kwargs)
+            self.made["embedding_sparse_backward"] += 1
             return True, out
         if func is _aten._embedding_bag_backward.default:
             if not _flag(args, kwargs, 9, "sparse"):
