@@ -157,8 +157,7 @@ class LossWeights(Callback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
         if self.current != 1.0:
-            with torch.no_grad():
-                loss.mul_(self.current)  # the tensor the strategy's backward runs on
+            loss.mul_(self.current)  # in place, recorded by autograd: the tensor the backward runs on
 
 
 def parts_for(pl_module: Any, current: int | None, decisions: Decisions) -> int:
