@@ -192,6 +192,8 @@ def test_lightning_internals_are_where_we_expect():
         "data_from_module",
         "drop_train_dataloader",
         "before_batch_transfer",
+        "transform_train_source",  # tests/frontdoors/test_lightning_rebatch.py
+        "process_train_loader",
     }
     t = trainer()
     model, data = Net(), Data()
@@ -329,15 +331,17 @@ def test_dataloaders_passed_to_fit_are_fine_when_the_batch_size_stays(fake_plan)
     assert model.seen == [16, 16]
 
 
-def test_refuses_a_module_without_batch_size(fake_plan):
+def test_a_module_without_batch_size_is_re_batched(fake_plan):
+    """More forms in tests/frontdoors/test_lightning_rebatch.py."""
     fake_plan(accumulation=2)
 
     class NoBatchSize(Net):
         def train_dataloader(self):
             return DataLoader(TensorDataset(torch.randn(32, DIM), torch.randn(32, 1)), batch_size=16)
 
-    with pytest.raises(ConfigurationError, match="has a `batch_size` attribute"):
-        trainer(ResourceGuard(monitor=False)).fit(NoBatchSize())
+    model = NoBatchSize()
+    trainer(ResourceGuard(monitor=False)).fit(model)
+    assert model.seen == [8, 8, 8, 8] and model.accumulate_seen == 2
 
 
 def test_manual_optimization_is_planned_not_refused(fake_plan):

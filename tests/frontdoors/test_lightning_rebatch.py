@@ -4,7 +4,9 @@ the full batch on uncapped memory."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import lightning.pytorch as L
 import pytest
@@ -13,8 +15,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
-from torch.utils.data import Sampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    TensorDataset,
+)
 from transformers import BatchEncoding
 
 from resource_guard import estimate_memory
@@ -227,13 +236,19 @@ def test_limit_train_batches_counts_loader_batches(cap):
 
 def test_monitor_counts_micro_batches(cap, tmp_path):
     guard = ResourceGuard(
-        memory_limit=cap, headroom=0.0, precision="32-true", checkpointing=False, profile=False, log_dir=tmp_path
+        memory_limit=cap,
+        headroom=0.0,
+        precision="32-true",
+        checkpointing=False,
+        profile=False,
+        log_dir=tmp_path,
     )
     model, _ = fit("IterableDataset", guard, max_epochs=1)
     assert guard.report is not None
     assert guard.report.stats.steps == len(model.seen) == 6
 
 
+@pytest.mark.slow
 def test_resume_restores_the_same_split(cap, tmp_path):
     straight, _ = fit("sequential loader", capped(cap))
     saving = ModelCheckpoint(dirpath=tmp_path, save_last=True)
@@ -345,3 +360,11 @@ def test_lightning_internals_of_rebatching_are_where_we_expect():
     assert trainer.fit_loop._data_source is original
 
 
+@pytest.mark.slow
+def test_the_readme_example_splits_a_loader_given_to_fit(capsys):
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Lightning") :]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:2]  # the set-up, then the example
+    head = blocks[0].split("guard = ")[0]  # the imports of the first block
+    exec(compile(head + blocks[1], "README.md", "exec"), {})
+    assert capsys.readouterr().out.split()[-2:] == ["1024", "2"]

@@ -84,7 +84,9 @@ class SplitBatchSampler(Sampler[list[int]]):
         inner = self.batch_sampler
         if isinstance(inner, BatchSampler) and hasattr(inner.sampler, "__len__"):  # exact
             full, rest = divmod(len(inner.sampler), inner.batch_size)  # type: ignore[arg-type]
-            return full * min(self.parts, inner.batch_size) + (0 if inner.drop_last else min(self.parts, rest))
+            return full * min(self.parts, inner.batch_size) + (
+                0 if inner.drop_last else min(self.parts, rest)
+            )
         return len(inner) * self.parts  # type: ignore[arg-type]  # each batch at least `parts` rows
 
 
@@ -167,8 +169,9 @@ def parts_for(pl_module: Any, current: int | None, decisions: Decisions) -> int:
     stuck = f"the plan needs micro-batch size {micro} (the train loader has {current})"
     if current is None:
         raise ConfigurationError(
-            f"{stuck}, and the loader's batch size cannot be told; pass `ResourceGuard(target_batch_size=...)`"
-            " or build the DataLoader in `train_dataloader()` with `batch_size=self.batch_size`."
+            f"{stuck}, and the loader's batch size cannot be told; pass "
+            "`ResourceGuard(target_batch_size=...)` or build the DataLoader in `train_dataloader()` with "
+            "`batch_size=self.batch_size`."
         )
     if micro > current or current % micro:
         raise ConfigurationError(
@@ -211,7 +214,9 @@ class ReBatched:
         loader = process_train_loader(trainer, loaders)  # DistributedSampler, worker seeding: as Lightning
         sampler = getattr(loader, "batch_sampler", None) if isinstance(loader, DataLoader) else None
         if sampler is not None and not isinstance(loader.dataset, IterableDataset):
-            return ReBatchedLoader(_remade(loader, SplitBatchSampler(sampler, self.parts)), self.parts, self.weights, True)
+            return ReBatchedLoader(
+                _remade(loader, SplitBatchSampler(sampler, self.parts)), self.parts, self.weights, True
+            )
         return ReBatchedLoader(loader, self.parts, self.weights, False)
 
     def remove(self, trainer: pl.Trainer) -> None:

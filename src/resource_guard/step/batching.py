@@ -101,7 +101,9 @@ def _cut(obj: Any, start: int, stop: int, size: int) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cut(v, start, stop, size) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _cut(getattr(obj, f.name), start, stop, size) for f in dataclasses.fields(obj) if f.init}
+        changes = {
+            f.name: _cut(getattr(obj, f.name), start, stop, size) for f in dataclasses.fields(obj) if f.init
+        }
         return dataclasses.replace(obj, **changes)
     return obj
 
