@@ -95,6 +95,8 @@ SCRIPT = textwrap.dedent(
 
 
 def test_a_loader_given_to_fit_keeps_the_distributed_sampler_and_trains_as_unsplit(tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "split").mkdir()
     code, out, full = run_lightning_ddp(tmp_path / "full", SCRIPT, "full")
     assert code == 0, out
     code, out, split = run_lightning_ddp(tmp_path / "split", SCRIPT, "split")
