@@ -152,7 +152,10 @@ class LossWeights(Callback):
     even pieces of a full batch, so nothing is done), in the order the loader yielded them."""
 
     def __init__(self, weights: deque[float]) -> None:
+        from resource_guard.frontdoors.lightning_callback import _skip_inherited_step_hooks
+
         self.weights, self.current = weights, 1.0
+        _skip_inherited_step_hooks(self)  # Lightning then calls only the two hooks below, per step
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.current = self.weights.popleft() if self.weights else 1.0
@@ -222,8 +225,9 @@ class ReBatched:
     def remove(self, trainer: pl.Trainer) -> None:
         while self._undo:
             self._undo.pop()()
-        if self.callback in trainer.callbacks:
-            trainer.callbacks.remove(self.callback)
+        callbacks = _callbacks(trainer)
+        if self.callback in callbacks:
+            callbacks.remove(self.callback)
 
 
 def rebatch(trainer: pl.Trainer, pl_module: Any, current: int | None, decisions: Decisions) -> ReBatched:
@@ -240,7 +244,7 @@ def rebatch(trainer: pl.Trainer, pl_module: Any, current: int | None, decisions:
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(trainer, name, value * done.parts)
                 done._undo.append(lambda name=name, value=value: setattr(trainer, name, value))
-        trainer.callbacks.append(done.callback)
+        _callbacks(trainer).append(done.callback)
         with isolate_rng(include_cuda=False):  # loaders seed from the CPU generator; no CUDA context
             drop_train_dataloader(trainer)
             trainer.fit_loop.setup_data()  # a refusal (several loaders) now, not at step 0
@@ -249,6 +253,11 @@ def rebatch(trainer: pl.Trainer, pl_module: Any, current: int | None, decisions:
         done.remove(trainer)
         raise
     return done
+
+
+def _callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """The Trainer's callback list, which the Trainer reads at every hook (set in its constructor)."""
+    return trainer.callbacks  # type: ignore[attr-defined,no-any-return]
 
 
 def _remade(loader: DataLoader, batch_sampler: Sampler[list[int]]) -> DataLoader:
