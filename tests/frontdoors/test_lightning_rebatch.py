@@ -368,3 +368,94 @@ def test_the_readme_example_splits_a_loader_given_to_fit(capsys):
     head = blocks[0].split("guard = ")[0]  # the imports of the first block
     exec(compile(head + blocks[1], "README.md", "exec"), {})
     assert capsys.readouterr().out.split()[-2:] == ["1024", "2"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# a declared worst case: the split is chosen for the longest sequence before step 0
+
+SEQ_ROWS, SEQ_BATCH, LONGEST = 150, 32, 64
+
+
+class Tokens(L.LightningModule):
+    """A token model whose loss is a mean over rows of each row's masked mean: padding-invariant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, DIM)
+        layers: list[nn.Module] = []
+        for _ in range(3):
+            layers += [nn.Linear(DIM, DIM), nn.Tanh()]
+        self.net = nn.Sequential(*layers, nn.Linear(DIM, 1))
+        self.seen: list[tuple[int, int]] = []
+
+    def training_step(self, batch, batch_idx):
+        if self._trainer is not None:
+            self.seen.append(tuple(batch["ids"].shape))
+        h = self.net(self.emb(batch["ids"]))[..., 0]
+        per_row = (h * batch["mask"]).sum(1) / batch["mask"].sum(1)
+        return nn.functional.mse_loss(per_row, batch["y"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def sequences() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(4, LONGEST + 1, (SEQ_ROWS,), generator=g)
+    return [(torch.randint(0, 100, (int(n),), generator=g), torch.randn((), generator=g)) for n in lengths]
+
+
+class ByLength(Sampler[list[int]]):
+    """Length buckets, shortest first: the first batch is far shorter than the longest."""
+
+    def __init__(self, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for i in range(0, len(self.order), SEQ_BATCH):
+            yield self.order[i : i + SEQ_BATCH]
+
+    def __len__(self) -> int:
+        return -(-len(self.order) // SEQ_BATCH)
+
+
+def pad(rows):
+    longest = max(len(r[0]) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros(len(rows), longest)
+    for i, (tokens, _) in enumerate(rows):
+        ids[i, : len(tokens)], mask[i, : len(tokens)] = tokens, 1.0
+    return {"ids": ids, "mask": mask, "y": torch.stack([r[1] for r in rows])}
+
+
+@pytest.mark.slow
+def test_a_declared_longest_sequence_chooses_the_split_before_step_zero():
+    rows = sequences()
+
+    def run(guard):
+        L.seed_everything(0, verbose=False)
+        model = Tokens()
+        trainer = L.Trainer(
+            callbacks=[guard] if guard else [], accelerator="cpu", devices=1, max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(model, DataLoader(rows, batch_sampler=ByLength(rows), collate_fn=pad))
+        return model, trainer
+
+    def peak(n: int) -> int:
+        batch = pad(rows[:n])
+        batch["ids"] = torch.randint(0, 100, (n, LONGEST))
+        batch["mask"] = torch.ones(n, LONGEST)
+        step = lambda m, b: m.training_step(b, 0)  # noqa: E731
+        return estimate_memory(Tokens(), lambda p: torch.optim.SGD(p, lr=0.05), batch, step).peak_bytes
+
+    full, full_trainer = run(None)
+    assert full.seen[0][1] < LONGEST // 2  # the first batch is short: planning on it alone would not split
+    guard = capped((peak(SEQ_BATCH // 2) + peak(SEQ_BATCH)) // 2, max_seq_len=LONGEST)
+    model, trainer = run(guard)
+    assert guard.decisions is not None and guard.decisions.micro_batch_size == SEQ_BATCH // 2
+    assert max(rows for rows, _ in model.seen) <= SEQ_BATCH // 2
+    assert sum(rows for rows, _ in model.seen) == SEQ_ROWS
+    assert trainer.global_step == full_trainer.global_step
+    for mine, theirs in zip(model.parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
