@@ -49,9 +49,8 @@ def _leading_size(batch: Any, who: str) -> int:
         common = max(set(sizes), key=sizes.count)
         odd = ", ".join(f"{path} has {n}" for path, n in rows if n != common)
         raise ConfigurationError(
-            f"`{who}`: cannot cut the batch into rows: most of its tensors have {common} rows along dim 0, "
-            f"but {odd} (every tensor with a dimension must share its first one; pass batches whose "
-            "tensors all lead with the batch dimension)."
+            f"`{who}`: cannot cut the batch into rows, its tensors' leading dimensions differ: most "
+            f"have {common} rows, but {odd} (every tensor with a dimension must share its first one)."
         )
     return size
 
