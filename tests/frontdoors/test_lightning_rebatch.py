@@ -149,6 +149,9 @@ def form(name: str):
         return {"train_dataloaders": DataLoader(ds, batch_size=BATCH, shuffle=True, collate_fn=to_dict)}
     if name == "BatchEncoding":
         return {"train_dataloaders": DataLoader(Encodings(), batch_size=None)}
+    if name == "loader with workers":  # the sampler runs ahead of the batches: weights stay in order
+        loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
+        return {"train_dataloaders": loader}
     if name == "sequential loader":
         return {"train_dataloaders": DataLoader(ds, batch_size=BATCH)}
     raise AssertionError(name)
@@ -161,6 +164,7 @@ FORMS = (
     "IterableDataset",
     "dict batches, custom collate",
     "BatchEncoding",
+    pytest.param("loader with workers", marks=pytest.mark.slow),
 )
 
 
