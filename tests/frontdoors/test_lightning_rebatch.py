@@ -223,6 +223,25 @@ def test_every_form_runs_at_the_plans_micro_batch_and_trains_as_the_full_batch(n
         assert model.types == {BatchEncoding}
 
 
+def test_a_batch_size_attribute_the_loader_ignores_falls_back_to_re_batching(cap):
+    class Ignores(NoBatchSize):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_size = BATCH  # read by nothing: train_dataloader() has its own
+
+    data_module = Ignores()
+    guard = capped(cap)
+    L.seed_everything(0, verbose=False)
+    model = MLP()
+    trainer = L.Trainer(
+        callbacks=[guard], accelerator="cpu", devices=1, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data_module)
+    assert guard.decisions is not None and max(model.seen) == guard.decisions.micro_batch_size == BATCH // 2
+    assert data_module.batch_size == BATCH  # set, found ignored, put back
+
+
 def test_a_cap_that_fits_the_loader_batch_changes_nothing(cap):
     guard = capped(cap * 4)
     model, trainer = fit("loader passed to fit", guard)
