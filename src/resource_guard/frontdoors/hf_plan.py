@@ -164,7 +164,8 @@ def plan_training_args(
 
         data_collator = default_data_collator
     fixed_precision = hf_step.precision_of(args)
-    user_checkpointing = bool(getattr(args, "gradient_checkpointing", False))
+    ckpt_field, ckpt_kwargs_field = hf_step.checkpointing_fields(args)
+    user_checkpointing = bool(getattr(args, ckpt_field, False))
     can_checkpoint = bool(getattr(hf_step.base_model_of(model), "supports_gradient_checkpointing", False))
     checkpointing: bool | str = True if user_checkpointing else ("auto" if can_checkpoint else False)
     loss_of = hf_step.trainer_loss(model, args, compute_loss_func=compute_loss_func, loss_fn=loss_fn)
@@ -213,19 +214,17 @@ def plan_training_args(
         "gradient_accumulation_steps": made.accumulation_steps,
         "bf16": made.precision == "bf16-mixed",
         "fp16": made.precision == "16-mixed",
-        "gradient_checkpointing": bool(made.checkpointing),
+        ckpt_field: bool(made.checkpointing),
     }
     if made.checkpointing and not user_checkpointing:
-        changes["gradient_checkpointing_kwargs"] = dict(
-            getattr(args, "gradient_checkpointing_kwargs", None) or {"use_reentrant": False}
-        )
+        changes[ckpt_kwargs_field] = dict(getattr(args, ckpt_kwargs_field, None) or {"use_reentrant": False})
         if made.checkpoint_every > 1:
             notes.append(
                 f"the plan checkpoints every {made.checkpoint_every} blocks; the Trainer checkpoints every "
                 "block, which needs less memory (and recomputes more)"
             )
     if user_checkpointing:
-        notes.append("gradient checkpointing kept as set (`gradient_checkpointing=True`)")
+        notes.append(f"gradient checkpointing kept as set (`{ckpt_field}=True`)")
     if fixed_precision is not None:
         notes.append(f"precision kept as set ({'bf16' if args.bf16 else 'fp16'}=True)")
     planned = dataclasses.replace(args, **changes)
@@ -241,7 +240,7 @@ def _strategy(args: Any, world: int) -> str:
     return "ddp" if world > 1 else "single"
 
 
-def render(made: Plan, changes: dict[str, Any], seconds: float) -> str:
+def render(made: Plan, changes: dict[str, Any], seconds: float, head: str | None = None) -> str:
     """The plan as the other front doors print it: the decisions, their reasons, the estimate, the table."""
     from resource_guard.planning.search import render_table
 
@@ -249,7 +248,8 @@ def render(made: Plan, changes: dict[str, Any], seconds: float) -> str:
     est, fit = made.estimate, made.fit
     parts = ", ".join(f"{k} {v / _MiB:.1f} MiB" for k, v in est.breakdown.items() if v)
     lines = [
-        f"ResourceGuard plan for the Trainer ({seconds:.1f} s): micro-batch {made.micro_batch_size} × "
+        head
+        or f"ResourceGuard plan for the Trainer ({seconds:.1f} s): micro-batch {made.micro_batch_size} × "
         f"accumulation {made.accumulation_steps} × world size {made.world_size} = {made.target_batch_size}; "
         f"precision {made.precision}; gradient checkpointing {'on' if made.checkpointing else 'off'}",
         f"- TrainingArguments: {settings}",

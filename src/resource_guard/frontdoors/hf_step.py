@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 from collections.abc import Callable, Mapping
@@ -40,6 +41,7 @@ from resource_guard.step.training import call_loss_fn, map_tensors
 
 __all__ = [
     "TRANSFORMERS_SEAMS",
+    "checkpointing_fields",
     "declared_length",
     "precision_of",
     "sample_batch",
@@ -54,6 +56,7 @@ TRANSFORMERS_SEAMS = {
     "trainer_loss": "transformers.trainer_pt_utils.LabelSmoother(epsilon)(outputs, labels, shift_labels=)",
     "is_causal_lm": "transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "decay_parameter_names": "transformers.trainer_pt_utils.get_parameter_names, pytorch_utils.ALL_LAYERNORM_LAYERS",
+    "checkpointing_fields": "TrainingArguments.activation_checkpointing(_kwargs) (5.x) / gradient_checkpointing(_kwargs)",
 }
 
 LossOf = Callable[[nn.Module, Any], torch.Tensor]
@@ -67,6 +70,16 @@ def precision_of(args: Any) -> str | None:
     if getattr(args, "fp16", False):
         return "16-mixed"
     return None
+
+
+def checkpointing_fields(args: Any) -> tuple[str, str]:
+    """The names of the ``TrainingArguments`` fields that turn gradient checkpointing on and pass its
+    arguments: ``activation_checkpointing(_kwargs)`` since transformers 5 (where the old
+    ``gradient_checkpointing`` names only mirror them), else ``gradient_checkpointing(_kwargs)``."""
+    names = {f.name for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else set(vars(args))
+    if "activation_checkpointing" in names:
+        return "activation_checkpointing", "activation_checkpointing_kwargs"
+    return "gradient_checkpointing", "gradient_checkpointing_kwargs"
 
 
 def base_model_of(model: nn.Module) -> nn.Module:
@@ -170,17 +183,18 @@ def trainer_optimizer(model: nn.Module, args: Any) -> torch.optim.Optimizer:
     """
     from transformers import Trainer
 
-    name = getattr(args, "optim", "adamw_torch")
+    optim = getattr(args, "optim", "adamw_torch")
+    name = str(getattr(optim, "value", optim))  # an OptimizerNames member
     try:
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     except (ImportError, ValueError) as error:
         raise ConfigurationError(
-            f"`TrainingArguments(optim={str(name)!r})`: the Trainer cannot build this optimizer here ({error})."
+            f"`TrainingArguments(optim={name!r})`: the Trainer cannot build this optimizer here ({error})."
         ) from None
     kwargs = dict(kwargs)
     if "params" in kwargs or "model" in kwargs or not isinstance(cls, type):
         raise ConfigurationError(
-            f"`TrainingArguments(optim={str(name)!r})` builds its optimizer over the model itself; "
+            f"`TrainingArguments(optim={name!r})` builds its optimizer over the model itself; "
             "resource_guard cannot estimate its state. Use another `optim` or the plain-PyTorch `guard`."
         )
     decay = decay_parameter_names(model)

@@ -239,13 +239,28 @@ class ResourceGuardCallback(TrainerCallback):
                 memory_limit=self.memory_limit, allow_rough=True,
             )  # fmt: skip
         self.plan = made
-        if made.accumulation_steps > 1:
+        acc = max(1, int(args.gradient_accumulation_steps))
+        if made.accumulation_steps == 1 and acc > 1:  # micro-steps 2..k start with the gradients allocated
+            kept = made.estimate.for_device(made.device, headroom=self.headroom, gradients_kept=True)
+            made = self.plan = dataclasses.replace(
+                made, accumulation_steps=acc, target_batch_size=rows * acc * world, fit=kept
+            )
+            if not kept.fits:
+                raise DoesNotFitError(
+                    f"the Trainer's step does not fit: with gradient_accumulation_steps={acc}, micro-steps 2..{acc} "
+                    f"start with the gradients allocated and need {kept.device_total_bytes / 2**20:,.1f} MiB, more "
+                    f"than the {kept.usable_bytes / 2**20:,.1f} MiB usable on {made.device.name}. Stopped before "
+                    "step 0. Lower per_device_train_batch_size (raising gradient_accumulation_steps for the same "
+                    "effective batch), or let `plan_training_args(...)` choose.",
+                    made,
+                )
+        elif made.accumulation_steps > 1:
             raise DoesNotFitError(
                 f"the Trainer's step does not fit: per_device_train_batch_size={rows} needs more than the "
                 f"{made.fit.usable_bytes / 2**20:,.1f} MiB usable on {made.device.name}; the largest per-device "
                 f"batch that fits is {made.micro_batch_size} ({precision}, {made.fit.device_total_bytes / 2**20:,.1f} "
                 f"MiB). Stopped before step 0. Set per_device_train_batch_size={made.micro_batch_size} and "
-                f"gradient_accumulation_steps={made.accumulation_steps * args.gradient_accumulation_steps} "
+                f"gradient_accumulation_steps={made.accumulation_steps * acc} "
                 "for the same effective batch, or let `plan_training_args(...)` choose.\n\n" + made.summary(),
                 made,
             )
@@ -280,11 +295,18 @@ class ResourceGuardCallback(TrainerCallback):
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "bf16": bool(args.bf16),
             "fp16": bool(args.fp16),
-            "gradient_checkpointing": bool(args.gradient_checkpointing),
+            hf_step.checkpointing_fields(args)[0]: bool(getattr(args, hf_step.checkpointing_fields(args)[0])),
         }
-        return render(self.plan, settings, seconds).replace(
-            "ResourceGuard plan for the Trainer", "ResourceGuard pre-flight of the Trainer's step", 1
+        made, acc = self.plan, args.gradient_accumulation_steps
+        ckpt = self._model is not None and _checkpointed(self._model)
+        head = (
+            f"ResourceGuard pre-flight of the Trainer's step ({seconds:.1f} s): per-device batch "
+            f"{made.micro_batch_size} × accumulation {acc} × world size {made.world_size} = "
+            f"{made.micro_batch_size * acc * made.world_size}; precision {made.precision}; gradient "
+            f"checkpointing {'on' if ckpt else 'off'}: "
+            f"{made.fit.device_total_bytes / 2**20:,.1f} of {made.fit.usable_bytes / 2**20:,.1f} MiB usable, fits"
         )
+        return render(made, settings, seconds, head)
 
     @contextlib.contextmanager
     def _tracing(self, model: nn.Module) -> Iterator[None]:
