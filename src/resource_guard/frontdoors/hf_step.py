@@ -37,7 +37,7 @@ from torch import nn
 
 from resource_guard.errors import ConfigurationError
 from resource_guard.estimate.user_step import StepContext, UserStep
-from resource_guard.step.training import call_loss_fn, map_tensors
+from resource_guard.step.training import call_loss_fn, default_loss_fn, map_tensors
 
 __all__ = [
     "TRANSFORMERS_SEAMS",
@@ -59,7 +59,7 @@ TRANSFORMERS_SEAMS = {
     "checkpointing_fields": "TrainingArguments.activation_checkpointing(_kwargs) (5.x) / gradient_checkpointing(_kwargs)",
 }
 
-LossOf = Callable[[nn.Module, Any], torch.Tensor]
+LossOf = Callable[[nn.Module, Any], Any]  # a loss, or an output with `.loss` (the estimate's LossFn)
 
 
 def precision_of(args: Any) -> str | None:
@@ -102,7 +102,8 @@ def trainer_loss(
     compute_loss_func: Callable[..., Any] | None = None,
     loss_fn: LossOf | None = None,
 ) -> LossOf:
-    """``(model, batch) -> scalar loss`` as ``Trainer.compute_loss`` computes it (module docstring).
+    """``(model, batch) -> loss`` as ``Trainer.compute_loss`` computes it (module docstring); the
+    model's own loss is returned as the model's output (the estimate reads its ``.loss``).
 
     ``loss_fn`` (a Trainer subclass's own ``compute_loss``, written as ``loss_fn(model, batch)``) wins.
     """
@@ -111,10 +112,7 @@ def trainer_loss(
     smoothing = float(getattr(args, "label_smoothing_factor", 0.0) or 0.0)
     if compute_loss_func is None and smoothing == 0:
 
-        def own_loss(m: nn.Module, batch: Any) -> torch.Tensor:
-            return call_loss_fn(m, batch, None)
-
-        return own_loss
+        return default_loss_fn  # `model(**batch)`; its `.loss` is read by the estimate
     smoother: Any = None
     if compute_loss_func is None:
         from transformers.trainer_pt_utils import LabelSmoother
@@ -124,7 +122,7 @@ def trainer_loss(
 
     def split_loss(m: nn.Module, batch: Any) -> torch.Tensor:
         if not isinstance(batch, Mapping) or "labels" not in batch:
-            return call_loss_fn(m, batch, None)
+            return default_loss_fn(m, batch)
         inputs = dict(batch)
         labels = inputs.pop("labels")
         outputs = m(**inputs)
@@ -140,7 +138,7 @@ def trainer_step(loss_of: LossOf, max_grad_norm: float | None) -> UserStep:
     clip = float(max_grad_norm or 0.0)
 
     def hf_trainer_step(s: StepContext) -> None:
-        s.backward(loss_of(s.model, s.batch))
+        s.backward(call_loss_fn(s.model, s.batch, loss_of))
         if clip > 0:
             params = [p for p in s.model.parameters() if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, clip)

@@ -311,7 +311,8 @@ class ResourceGuardCallback(TrainerCallback):
     @contextlib.contextmanager
     def _tracing(self, model: nn.Module) -> Iterator[None]:
         """Our own traces: the hook ignores them; the Trainer's autocast (when a check runs inside its
-        forward) is off, as the estimate emulates the precision itself."""
+        forward) is off, as the estimate emulates the precision itself; grad mode on (the estimates
+        trace a step and decide eval mode themselves)."""
         inside, self._inside = self._inside, True
         try:
             with contextlib.ExitStack() as stack:
@@ -319,6 +320,7 @@ class ResourceGuardCallback(TrainerCallback):
                     if torch.is_autocast_enabled(kind):
                         stack.enter_context(torch.autocast(kind, enabled=False))
                 stack.enter_context(without_accelerate_autocast(model))
+                stack.enter_context(torch.enable_grad())  # an evaluation loop runs under no_grad
                 yield
         finally:
             self._inside = inside
@@ -330,7 +332,7 @@ class ResourceGuardCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
         self._model = model
-        self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self._hook = model.register_forward_pre_hook(_Hook(self._before_forward), with_kwargs=True)
 
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._inside or module is not self._model:
@@ -455,6 +457,20 @@ class ResourceGuardCallback(TrainerCallback):
             with contextlib.suppress(Exception):
                 writer.close()
         self._shapes = None
+
+
+class _Hook:
+    """The forward pre-hook: shared, not copied, by ``copy.deepcopy(model)`` (the estimates copy the model;
+    a copied hook would copy the callback and all it holds). It ignores every module but the watched one."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.fn(module, args, kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        return self
 
 
 def without_accelerate_autocast(model: nn.Module) -> contextlib.AbstractContextManager[None]:
