@@ -24,11 +24,11 @@ from transformers import (
 
 import resource_guard
 from cpu_reference import skip_unless_cpu_runs
-
 from resource_guard.errors import ConfigurationError, DoesNotFitError
-from resource_guard.frontdoors import hf_step, hf_trainer
+from resource_guard.frontdoors import hf_runtime, hf_step
 from resource_guard.frontdoors.hf_plan import plan_training_args
-from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback, without_accelerate_autocast
+from resource_guard.frontdoors.hf_runtime import without_accelerate_autocast
+from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 128
@@ -60,7 +60,11 @@ def lm_rows(count: int, length: int) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-CKPT = "activation_checkpointing" if hasattr(TrainingArguments, "activation_checkpointing") else "gradient_checkpointing"
+CKPT = (
+    "activation_checkpointing"
+    if hasattr(TrainingArguments, "activation_checkpointing")
+    else "gradient_checkpointing"
+)
 
 
 def targs(tmp_path: Path, **kwargs) -> TrainingArguments:
@@ -73,7 +77,9 @@ def targs(tmp_path: Path, **kwargs) -> TrainingArguments:
 
 def peak_at(model, args, data, **kwargs) -> int:
     """The traced peak of the full per-device batch (no cap that matters)."""
-    _, made = plan_training_args(model, args, data, memory_limit="8GiB", verbose=False, return_plan=True, **kwargs)
+    _, made = plan_training_args(
+        model, args, data, memory_limit="8GiB", verbose=False, return_plan=True, **kwargs
+    )
     return made.fit.device_total_bytes
 
 
@@ -138,14 +144,23 @@ def test_plan_training_args_refuses_bad_arguments(tmp_path):
 def test_transformers_seams_are_where_we_expect():
     """Fails loudly when a transformers/accelerate release moves what the door relies on."""
     assert set(hf_step.TRANSFORMERS_SEAMS) == {
-        "trainer_optimizer", "trainer_loss", "is_causal_lm", "decay_parameter_names",
+        "trainer_optimizer", "trainer_loss", "is_causal_lm", "decay_parameter_names", "checkpointing_fields",
     }  # fmt: skip
+    field, kwargs_field = hf_step.checkpointing_fields(TrainingArguments("out", use_cpu=True, report_to=[]))
+    assert {field, kwargs_field} <= {f.name for f in dataclasses.fields(TrainingArguments)}
     assert isinstance(inspect.getattr_static(Trainer, "get_optimizer_cls_and_kwargs"), staticmethod)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.trainer_pt_utils import LabelSmoother
 
     assert "GPT2LMHeadModel" in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() and callable(LabelSmoother)
-    for hook in ("on_init_end", "on_train_begin", "on_substep_end", "on_step_end", "on_evaluate", "on_train_end"):
+    for hook in (
+        "on_init_end",
+        "on_train_begin",
+        "on_substep_end",
+        "on_step_end",
+        "on_evaluate",
+        "on_train_end",
+    ):
         assert hook in vars(TrainerCallback), hook
     # the Trainer calls the model with the batch as keyword arguments (the forward pre-hook reads them)
     assert "model(**inputs)" in inspect.getsource(Trainer.compute_loss)
@@ -161,7 +176,9 @@ def test_transformers_seams_are_where_we_expect():
 
 
 # -- the Trainer's step, rebuilt ------------------------------------------------------------------------
-@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop"])
+@pytest.mark.parametrize(
+    "optim", ["adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop"]
+)
 def test_optimizer_is_the_one_the_trainer_builds(tmp_path, optim):
     model = gpt2()
     args = targs(tmp_path, optim=optim, weight_decay=0.01)
@@ -210,6 +227,7 @@ def test_compute_loss_func_is_used(tmp_path):
 
 
 # -- plan_training_args ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_planned_arguments_train_under_a_cap_that_forces_accumulation(tmp_path):
     data = lm_rows(32, 32)
     args = targs(tmp_path, per_device_train_batch_size=16, max_steps=4)
@@ -238,6 +256,7 @@ def test_plan_is_made_for_the_collators_longest_batch_and_keeps_user_settings(tm
     assert getattr(planned, CKPT) and made.checkpointing  # kept
     assert any("4×48 int64" in r and "pad_to_multiple_of=16" in r for r in made.reasons), made.reasons
     assert "gradient checkpointing kept" in capsys.readouterr().err  # printed, with the table
+
     # the dataset's length column, when the collator does not cap the length
     class Lengths(list):
         lengths = [8 + i % 5 for i in range(16)] + [200]
@@ -246,6 +265,7 @@ def test_plan_is_made_for_the_collators_longest_batch_and_keeps_user_settings(tm
     assert any("4×200 int64" in r and "dataset.lengths" in r for r in made.reasons), made.reasons
 
 
+@pytest.mark.slow
 def test_bert_classifier_is_planned_under_a_cap(tmp_path):
     rows = [{"input_ids": torch.arange(24) % VOCAB, "labels": torch.tensor(i % 3)} for i in range(16)]
     args = targs(tmp_path, per_device_train_batch_size=16)
@@ -275,7 +295,6 @@ def test_lora_step_estimate_matches_a_real_cpu_step(tmp_path):
 
     from resource_guard.estimate import estimate_memory
     from resource_guard.estimate.user_step import measure_user_step
-
 
     model = get_peft_model(gpt2(), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
     args = targs(tmp_path, per_device_train_batch_size=8, max_grad_norm=1.0)
@@ -329,6 +348,7 @@ class LateLong(torch.utils.data.IterableDataset):
             yield {"input_ids": torch.arange(16 if i < 8 else 160) % VOCAB}
 
 
+@pytest.mark.slow
 def test_a_late_long_batch_stops_before_it_runs(tmp_path):
     args = targs(tmp_path, per_device_train_batch_size=4, max_steps=6, report_to=["tensorboard"])
     short = peak_at(gpt2(), args, list(LateLong())[:4], data_collator=PadToLongest())
@@ -364,6 +384,7 @@ def test_report_files_and_tensorboard_tags_exist_after_train(tmp_path):
     assert any(tag.startswith("resource_guard/plan") for tag in events.Tags()["tensors"])
 
 
+@pytest.mark.slow
 def test_evaluation_is_preflighted_and_refused_when_it_does_not_fit(tmp_path):
     data = lm_rows(16, 32)
     args = targs(tmp_path, per_device_train_batch_size=2, per_device_eval_batch_size=16, eval_strategy="no")
@@ -379,6 +400,7 @@ def test_evaluation_is_preflighted_and_refused_when_it_does_not_fit(tmp_path):
         trainer.evaluate()
 
 
+@pytest.mark.slow
 def test_trainer_subclass_with_its_own_loss_and_user_checkpointing(tmp_path):
     class Mine(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -389,14 +411,17 @@ def test_trainer_subclass_with_its_own_loss_and_user_checkpointing(tmp_path):
     def loss_fn(model, batch):
         return model(input_ids=batch["input_ids"]).logits.float().logsumexp(-1).mean()
 
-    args = targs(tmp_path, per_device_train_batch_size=4, **{CKPT: True, f"{CKPT}_kwargs": {"use_reentrant": False}})
+    args = targs(
+        tmp_path, per_device_train_batch_size=4, **{CKPT: True, f"{CKPT}_kwargs": {"use_reentrant": False}}
+    )
     guard = ResourceGuardCallback(memory_limit="1GiB", loss_fn=loss_fn, monitor=False)
     trainer = Mine(model=gpt2(), args=args, train_dataset=lm_rows(16, 16), callbacks=[guard])
     trainer.train()
-    assert trainer.state.global_step == 3 and hf_trainer._checkpointed(trainer.model)
+    assert trainer.state.global_step == 3 and hf_runtime.checkpointed(trainer.model)
     assert any("the model's own" in r for r in guard.plan.reasons)
 
 
+@pytest.mark.slow
 def test_sft_trainer_from_trl(tmp_path):
     trl = pytest.importorskip("trl", reason="trl is an optional extra of the Trainer door's users")
     args = trl.SFTConfig(
@@ -419,6 +444,7 @@ def test_sft_trainer_from_trl(tmp_path):
     assert trainer.state.global_step == 2 and guard.plan is not None
 
 
+@pytest.mark.slow
 def test_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace = runpy.run_path(str(ROOT / "examples" / "hf_trainer.py"), run_name="not_main")

@@ -142,13 +142,19 @@ def plan_training_args(
 
     call = "plan_training_args"
     if not isinstance(model, nn.Module):
-        raise ConfigurationError(f"`{call}(model=...)` must be a torch.nn.Module, got {type(model).__name__}.")
-    if not all(hasattr(args, name) for name in ("per_device_train_batch_size", "gradient_accumulation_steps")):
+        raise ConfigurationError(
+            f"`{call}(model=...)` must be a torch.nn.Module, got {type(model).__name__}."
+        )
+    if not all(
+        hasattr(args, name) for name in ("per_device_train_batch_size", "gradient_accumulation_steps")
+    ):
         raise ConfigurationError(f"`{call}(args=...)` must be a transformers TrainingArguments.")
     if target_batch_size is not None and (
         isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int) or target_batch_size < 1
     ):
-        raise ConfigurationError(f"`{call}(target_batch_size={target_batch_size!r})` must be a positive int or None.")
+        raise ConfigurationError(
+            f"`{call}(target_batch_size={target_batch_size!r})` must be a positive int or None."
+        )
     if memory_limit is not None:
         parse_memory_limit(memory_limit, call)
     check_worst_case_args(call, max_seq_len, True)
@@ -188,7 +194,9 @@ def plan_training_args(
         from resource_guard.planning.worst_case import describe_signature, signature_of
 
         batch = worst[0]
-        notes.append(f"planned for the run's largest batch, {describe_signature(signature_of(batch))} ({worst[1]})")
+        notes.append(
+            f"planned for the run's largest batch, {describe_signature(signature_of(batch))} ({worst[1]})"
+        )
     made = plan(
         model,
         [optimizer],

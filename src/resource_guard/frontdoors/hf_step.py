@@ -55,8 +55,12 @@ TRANSFORMERS_SEAMS = {
     "trainer_optimizer": "transformers.Trainer.get_optimizer_cls_and_kwargs(args, model) (static)",
     "trainer_loss": "transformers.trainer_pt_utils.LabelSmoother(epsilon)(outputs, labels, shift_labels=)",
     "is_causal_lm": "transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-    "decay_parameter_names": "transformers.trainer_pt_utils.get_parameter_names, pytorch_utils.ALL_LAYERNORM_LAYERS",
-    "checkpointing_fields": "TrainingArguments.activation_checkpointing(_kwargs) (5.x) / gradient_checkpointing(_kwargs)",
+    "decay_parameter_names": (
+        "transformers.trainer_pt_utils.get_parameter_names, transformers.pytorch_utils.ALL_LAYERNORM_LAYERS"
+    ),
+    "checkpointing_fields": (
+        "TrainingArguments.activation_checkpointing(_kwargs) (5.x), else gradient_checkpointing(_kwargs)"
+    ),
 }
 
 LossOf = Callable[[nn.Module, Any], Any]  # a loss, or an output with `.loss` (the estimate's LossFn)
@@ -111,7 +115,6 @@ def trainer_loss(
         return loss_fn
     smoothing = float(getattr(args, "label_smoothing_factor", 0.0) or 0.0)
     if compute_loss_func is None and smoothing == 0:
-
         return default_loss_fn  # `model(**batch)`; its `.loss` is read by the estimate
     smoother: Any = None
     if compute_loss_func is None:
@@ -184,7 +187,7 @@ def trainer_optimizer(model: nn.Module, args: Any) -> torch.optim.Optimizer:
     optim = getattr(args, "optim", "adamw_torch")
     name = str(getattr(optim, "value", optim))  # an OptimizerNames member
     try:
-        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)  # type: ignore[arg-type]
     except (ImportError, ValueError) as error:
         raise ConfigurationError(
             f"`TrainingArguments(optim={name!r})`: the Trainer cannot build this optimizer here ({error})."

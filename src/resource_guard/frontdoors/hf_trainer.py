@@ -32,7 +32,6 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,12 +43,24 @@ from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceG
 from resource_guard.frontdoors import hf_step
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.frontdoors.hf_plan import render, say
+from resource_guard.frontdoors.hf_runtime import (
+    ModelHook,
+    agree,
+    build_monitor,
+    checkpointed,
+    default_collator,
+    kept_message,
+    mib,
+    tensorboard_writer,
+    too_big_message,
+    without_accelerate_autocast,
+)
 from resource_guard.observe.profiling import ProfileWindow
 
 if TYPE_CHECKING:
     from resource_guard.planning.planner import Plan
 
-__all__ = ["ResourceGuardCallback", "without_accelerate_autocast"]
+__all__ = ["ResourceGuardCallback"]
 
 _TEXT_TAG = "resource_guard/plan"
 
@@ -67,7 +78,8 @@ class ResourceGuardCallback(TrainerCallback):
         check_shapes: check each training batch before it runs; ``False``: off.
         check_eval: pre-flight the first batch of each evaluation; ``False``: off.
         monitor: run-time monitoring and the report; ``False`` for none.
-        profile: ``True`` (default window), ``False``, or a :class:`~resource_guard.observe.profiling.ProfileWindow`.
+        profile: ``True`` (default window), ``False``, or a
+            :class:`~resource_guard.observe.profiling.ProfileWindow`.
         log_dir: where the report goes; default ``<args.output_dir>/resource_guard``.
         loss_fn / compute_loss_func: as for :func:`~resource_guard.frontdoors.hf_plan.plan_training_args`.
         verbose: print the pre-flight (process zero).
@@ -176,7 +188,7 @@ class ResourceGuardCallback(TrainerCallback):
             notes = self._preflight(args, model, optimizer, train_dataloader)
         except Exception as failure:  # every rank must reach the agreement below, also after an error
             error, notes = failure, []
-        error = _agree(error)
+        error = agree(error)
         if error is not None:
             raise error
         assert self.plan is not None
@@ -215,7 +227,7 @@ class ResourceGuardCallback(TrainerCallback):
         )
         step = hf_step.trainer_step(self._loss, args.max_grad_norm)
         rows = args.per_device_train_batch_size
-        collate = getattr(loader, "collate_fn", None) or _default_collator()
+        collate = getattr(loader, "collate_fn", None) or default_collator()
         batch = hf_step.sample_batch(loader.dataset, collate, rows, args.device)
         notes: list[str] = []
         worst = None
@@ -226,9 +238,13 @@ class ResourceGuardCallback(TrainerCallback):
             )  # fmt: skip
         if worst is not None:
             batch = worst[0]
-            notes.append(f"planned for the run's largest batch, {describe_signature(signature_of(batch))} ({worst[1]})")
-        if _checkpointed(model):
-            notes.append("gradient checkpointing: the model's own (`gradient_checkpointing=True`), traced as it runs")
+            notes.append(
+                f"planned for the run's largest batch, {describe_signature(signature_of(batch))} ({worst[1]})"
+            )
+        if checkpointed(model):
+            notes.append(
+                "gradient checkpointing: the model's own (`gradient_checkpointing=True`), traced as it runs"
+            )
         world = max(1, int(args.world_size))
         precision = hf_step.precision_of(args) or "32-true"
         with self._tracing(model):
@@ -246,24 +262,9 @@ class ResourceGuardCallback(TrainerCallback):
                 made, accumulation_steps=acc, target_batch_size=rows * acc * world, fit=kept
             )
             if not kept.fits:
-                raise DoesNotFitError(
-                    f"the Trainer's step does not fit: with gradient_accumulation_steps={acc}, micro-steps 2..{acc} "
-                    f"start with the gradients allocated and need {kept.device_total_bytes / 2**20:,.1f} MiB, more "
-                    f"than the {kept.usable_bytes / 2**20:,.1f} MiB usable on {made.device.name}. Stopped before "
-                    "step 0. Lower per_device_train_batch_size (raising gradient_accumulation_steps for the same "
-                    "effective batch), or let `plan_training_args(...)` choose.",
-                    made,
-                )
+                raise DoesNotFitError(kept_message(acc, kept, made.device.name), made)
         elif made.accumulation_steps > 1:
-            raise DoesNotFitError(
-                f"the Trainer's step does not fit: per_device_train_batch_size={rows} needs more than the "
-                f"{made.fit.usable_bytes / 2**20:,.1f} MiB usable on {made.device.name}; the largest per-device "
-                f"batch that fits is {made.micro_batch_size} ({precision}, {made.fit.device_total_bytes / 2**20:,.1f} "
-                f"MiB). Stopped before step 0. Set per_device_train_batch_size={made.micro_batch_size} and "
-                f"gradient_accumulation_steps={made.accumulation_steps * acc} "
-                "for the same effective batch, or let `plan_training_args(...)` choose.\n\n" + made.summary(),
-                made,
-            )
+            raise DoesNotFitError(too_big_message(rows, acc, precision, made), made)
         self._keys = {k: (v.shape, v.dtype) for k, v in batch.items() if isinstance(v, torch.Tensor)} if (
             isinstance(batch, dict)
         ) else {}  # fmt: skip
@@ -274,13 +275,18 @@ class ResourceGuardCallback(TrainerCallback):
                         model, [self._optimizer], batch, step, made, traced_plan=True,
                         trace_context=lambda: self._tracing(model),
                     )  # fmt: skip
-                notes += [*more, "shape guard: each batch is checked before it runs; one that would not fit stops the run"]
+                notes += [
+                    *more,
+                    "shape guard: each batch is checked before it runs; one that would not fit stops the run",
+                ]
             except DoesNotFitError:
                 raise
             except Exception as error:  # our check never stops the run
-                warnings.warn(f"ResourceGuardCallback: the shape check is off: {error!r}", ResourceGuardWarning, 3)
+                warnings.warn(
+                    f"ResourceGuardCallback: the shape check is off: {error!r}", ResourceGuardWarning, 3
+                )
                 self._shapes = None
-        if _world() > 1:
+        if world > 1:
             from resource_guard.frontdoors.shape_guard import agree_min
 
             if agree_min(int(self._shapes is not None)) == 0:
@@ -298,13 +304,13 @@ class ResourceGuardCallback(TrainerCallback):
             hf_step.checkpointing_fields(args)[0]: bool(getattr(args, hf_step.checkpointing_fields(args)[0])),
         }
         made, acc = self.plan, args.gradient_accumulation_steps
-        ckpt = self._model is not None and _checkpointed(self._model)
+        ckpt = self._model is not None and checkpointed(self._model)
         head = (
             f"ResourceGuard pre-flight of the Trainer's step ({seconds:.1f} s): per-device batch "
             f"{made.micro_batch_size} × accumulation {acc} × world size {made.world_size} = "
             f"{made.micro_batch_size * acc * made.world_size}; precision {made.precision}; gradient "
             f"checkpointing {'on' if ckpt else 'off'}: "
-            f"{made.fit.device_total_bytes / 2**20:,.1f} of {made.fit.usable_bytes / 2**20:,.1f} MiB usable, fits"
+            f"{mib(made.fit.device_total_bytes)} of {mib(made.fit.usable_bytes)} usable, fits"
         )
         return render(made, settings, seconds, head)
 
@@ -332,7 +338,7 @@ class ResourceGuardCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
         self._model = model
-        self._hook = model.register_forward_pre_hook(_Hook(self._before_forward), with_kwargs=True)
+        self._hook = model.register_forward_pre_hook(ModelHook(self._before_forward), with_kwargs=True)
 
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._inside or module is not self._model:
@@ -404,47 +410,17 @@ class ResourceGuardCallback(TrainerCallback):
 
     # -- monitoring ------------------------------------------------------------------------------
     def _start_monitor(self, args: Any, state: Any, loader: Any) -> None:
-        from resource_guard.observe.monitor import RunMonitor
-
-        made = self.plan
-        assert made is not None
-        device = torch.device(args.device)
-        on_gpu = device.type == "cuda"
-        log_dir = self.log_dir or os.path.join(args.output_dir, "resource_guard")
-        rank0 = args.process_index == 0
-        if rank0 and "tensorboard" in (args.report_to or []):
-            self._writer = _tensorboard_writer(args)
+        assert self.plan is not None
+        if args.process_index == 0 and "tensorboard" in (args.report_to or []):
+            self._writer = tensorboard_writer(args)
         if self._writer is not None:
             with contextlib.suppress(Exception):  # a broken writer is the monitor's to report
                 head, _, rest = self._render(args, 0.0, []).partition("\n")
                 self._writer.add_text(_TEXT_TAG, f"{head}\n\n{rest}", state.global_step)
-        steps = int(getattr(args, "logging_steps", 0) or 0)
-        self._monitor = RunMonitor(
-            log_dir if rank0 else None,
-            device=device,
-            log_every_n_steps=steps if steps >= 1 else 50,
-            profile=self.profile,
-            estimate=made.estimate,
-            capacity_bytes=made.fit.capacity_bytes if on_gpu else None,
-            planned_capacity_bytes=made.fit.capacity_bytes,
-            device_spec=made.device if on_gpu and made.device.source == "detected" else None,
-            writer=self._writer,
-            rank=int(args.process_index),
-            world_size=max(1, int(args.world_size)),
-            loader_info={
-                "num_workers": args.dataloader_num_workers,
-                "pin_memory": args.dataloader_pin_memory,
-                "persistent_workers": args.dataloader_persistent_workers,
-                "prefetch_factor": args.dataloader_prefetch_factor,
-            },
-            precision=made.precision,
+        log_dir = self.log_dir or os.path.join(args.output_dir, "resource_guard")
+        self._monitor = build_monitor(
+            args, state, self.plan, log_dir, self.profile, self._writer, self._shapes
         )
-        max_steps = int(getattr(state, "max_steps", 0) or 0)
-        self._monitor.total_steps = max_steps * args.gradient_accumulation_steps if max_steps > 0 else None
-        shapes = self._shapes
-        self._monitor.shape_stats = shapes.stats if shapes is not None else None
-        for line in made.reasons:
-            self._monitor.note(line)
         self._monitor.start()
 
     def _stop_run(self, exc: BaseException | None = None) -> None:
@@ -457,108 +433,3 @@ class ResourceGuardCallback(TrainerCallback):
             with contextlib.suppress(Exception):
                 writer.close()
         self._shapes = None
-
-
-class _Hook:
-    """The forward pre-hook: shared, not copied, by ``copy.deepcopy(model)`` (the estimates copy the model;
-    a copied hook would copy the callback and all it holds). It ignores every module but the watched one."""
-
-    def __init__(self, fn: Callable[..., None]) -> None:
-        self.fn = fn
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.fn(module, args, kwargs)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
-        return self
-
-
-def without_accelerate_autocast(model: nn.Module) -> contextlib.AbstractContextManager[None]:
-    """``model`` without the autocast wrapper accelerate puts on its ``forward`` under mixed precision,
-    while the estimate traces it (the estimate emulates the target's autocast itself).
-
-    The one private seam of this front door: accelerate's ``prepare_model`` keeps the original as
-    ``model._original_forward`` and sets ``model.forward`` on the instance; the wrapper is taken off the
-    instance for the trace and put back. ``tests/frontdoors/test_hf_trainer.py`` fails if that moves.
-    """
-    return _Unwrapped(model)
-
-
-class _Unwrapped(contextlib.AbstractContextManager[None]):
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.saved: Any = None
-
-    def __enter__(self) -> None:
-        own = vars(self.model)
-        if "forward" in own and hasattr(self.model, "_original_forward"):
-            self.saved = own.pop("forward")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.saved is not None:
-            vars(self.model)["forward"] = self.saved
-            self.saved = None
-
-
-def _checkpointed(model: nn.Module) -> bool:
-    """Whether the model's own gradient checkpointing is on (``is_activation_checkpointing``, formerly
-    ``is_gradient_checkpointing``)."""
-    base = hf_step.base_model_of(model)
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(base), name):
-            return bool(getattr(base, name))
-    return False
-
-
-def _default_collator() -> Any:
-    from transformers import default_data_collator
-
-    return default_data_collator
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _agree(error: BaseException | None) -> BaseException | None:
-    """This rank's error, or, when another rank failed, an error saying so (one collective)."""
-    if _world() <= 1:
-        return error
-    from resource_guard.frontdoors.shape_guard import agree_min
-
-    if agree_min(int(error is None)) == 1:
-        return None
-    return error or DoesNotFitError(
-        "the Trainer's step does not fit on another rank; every rank stops before step 0 (that rank's "
-        "error has the report).",
-        None,
-    )
-
-
-def tensorboard_run_dir(args: Any) -> Path | None:
-    """The directory of the Trainer's TensorBoard run: ``args.logging_dir`` (transformers 4), the
-    ``TENSORBOARD_LOGGING_DIR`` variable, else the newest run under ``<output_dir>/runs`` (the Trainer's
-    ``TensorBoardCallback`` creates it at its ``on_train_begin``, which runs before user callbacks)."""
-    named = getattr(args, "logging_dir", None) or os.environ.get("TENSORBOARD_LOGGING_DIR")
-    if named:
-        return Path(os.path.expanduser(named))
-    runs = Path(args.output_dir) / "runs"
-    if not runs.is_dir():
-        return None
-    found = [p for p in runs.iterdir() if p.is_dir()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
-
-
-def _tensorboard_writer(args: Any) -> Any:
-    run = tensorboard_run_dir(args)
-    if run is None:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(log_dir=str(run))
-    except Exception as error:  # no tensorboard: the monitor writes its own files
-        warnings.warn(f"ResourceGuardCallback: no TensorBoard writer ({error!r})", ResourceGuardWarning, 3)
-        return None
