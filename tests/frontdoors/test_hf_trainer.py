@@ -360,6 +360,7 @@ def test_a_late_long_batch_stops_before_it_runs(tmp_path):
     with pytest.raises(DoesNotFitError, match="stopped before it ran") as raised:
         trainer.train()
     assert trainer.state.global_step == 2  # two steps of short batches ran; the third batch did not
+    assert guard.shape_stats["stops"] == 1 and guard.shape_stats["batches_checked"] == 3
     assert "4×160" in raised.value.report.shape.shape
     assert guard.report is not None  # the monitor closed with the error, the report written
     assert (tmp_path / "out" / "resource_guard" / "report.json").exists()
@@ -457,3 +458,16 @@ def test_arguments_copy_is_a_dataclass_copy(tmp_path):
     args = targs(tmp_path, per_device_train_batch_size=2)
     planned = plan_training_args(gpt2(), args, lm_rows(4, 8), memory_limit="1GiB", verbose=False)
     assert planned is not args and dataclasses.is_dataclass(planned)
+
+
+@pytest.mark.slow
+def test_bf16_run_traces_under_accelerates_autocast_wrapper(tmp_path):
+    """Under bf16 accelerate wraps the model's forward in autocast; the checks trace around it (no warning:
+    a shape check that failed would warn, and ResourceGuardWarning is an error in this suite)."""
+    args = targs(tmp_path, per_device_train_batch_size=4, bf16=True, max_steps=2)
+    guard = ResourceGuardCallback(memory_limit="1GiB", monitor=False)
+    trainer = Trainer(model=gpt2(), args=args, train_dataset=lm_rows(8, 16), callbacks=[guard])
+    trainer.train()
+    assert "forward" in vars(trainer.model) and hasattr(trainer.model, "_original_forward")  # wrapped
+    assert guard.plan is not None and guard.plan.precision == "bf16-mixed"
+    assert trainer.state.global_step == 2 and guard.shape_stats["batches_checked"] == 2

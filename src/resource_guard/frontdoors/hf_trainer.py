@@ -88,6 +88,7 @@ class ResourceGuardCallback(TrainerCallback):
         plan: the :class:`~resource_guard.Plan` of the configured step (``None`` before training).
         report: the monitor's report once training ended.
         eval_checks: the evaluation pre-flights made.
+        shape_stats: the shape guard's counts (shapes seen, batches checked, stops) once training ended.
 
     Example:
         >>> ResourceGuardCallback(headroom=0.95)
@@ -141,6 +142,7 @@ class ResourceGuardCallback(TrainerCallback):
         self.loss_fn, self.compute_loss_func = loss_fn, compute_loss_func
         self.plan: Plan | None = None
         self.report: Any = None
+        self.shape_stats: dict[str, Any] | None = None
         self._evals = EvalPreflights()
         self._args: Any = None
         self._model: nn.Module | None = None
@@ -178,7 +180,7 @@ class ResourceGuardCallback(TrainerCallback):
         """The pre-flight of the configured step on every rank; ``DoesNotFitError`` before step 0."""
         self._args = args
         self._stop_run()
-        self.plan, self.report, self._eval_pending = None, None, True
+        self.plan, self.report, self.shape_stats, self._eval_pending = None, None, None, True
         if not isinstance(model, nn.Module) or optimizer is None or train_dataloader is None:
             return
         self._watch(model)
@@ -432,4 +434,6 @@ class ResourceGuardCallback(TrainerCallback):
         if writer is not None:
             with contextlib.suppress(Exception):
                 writer.close()
+        if self._shapes is not None:
+            self.shape_stats = self._shapes.stats()
         self._shapes = None
