@@ -15,7 +15,12 @@ run before a batch that would not fit (one agreement across ranks per batch unde
 at ``on_substep_end`` / ``on_step_end``. In eval mode, the first batch of each evaluation is
 pre-flighted (:mod:`~resource_guard.frontdoors.eval_preflight`). The monitor
 (:class:`~resource_guard.RunMonitor`) writes the report to ``<output_dir>/resource_guard`` and its
-scalars into the Trainer's TensorBoard run; the summary is printed at ``on_train_end``.
+scalars into the Trainer's TensorBoard run; the summary is printed at ``on_train_end``. The run-time
+pieces (the hook object, accelerate's autocast wrapper taken off for a trace, the TensorBoard run, the
+monitor) are in :mod:`~resource_guard.frontdoors.hf_runtime`.
+
+Not covered: the Trainer has no exception hook, so a run that crashes for another reason (an OOM
+included) leaves the monitor unclosed and writes no report.
 
 Example:
     >>> from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback
