@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from resource_guard.observe.growth import MemoryWatch
     from resource_guard.observe.profiling import ProfileSummary
     from resource_guard.observe.sampler import Sampler
+    from resource_guard.observe.threads import ThreadDemand
     from resource_guard.observe.throughput import StepTimer
     from resource_guard.report.tensorboard import TBLog
 
@@ -76,6 +77,8 @@ class MonitorOutputs:
     planned_capacity_bytes: int | None
     precision: str | None
     loader_info: dict[str, Any]
+    _threads: ThreadDemand | None = None  # read at start
+    _compile_start: Any = None  # dynamo's counters at start
 
     @property
     def _files_dir(self) -> Path | None:  # the monitor's: where report and OOM files go
@@ -160,9 +163,34 @@ class MonitorOutputs:
             memory_growth=self._memory_growth(),
             expandable_segments=expandable_segments() if self._cuda else None,
         )
+        threads = self._guard("thread figures", self._thread_figures)
+        compiled = self._guard("compile figures", self._compile_figures)
+        stats = dataclasses.replace(stats, threads=threads, compile=compiled)
         if self.shape_stats is None:  # the front doors' shape guard, when on
             return stats
         return dataclasses.replace(stats, shapes=self._guard("shape stats", self.shape_stats))
+
+    def _thread_figures(self) -> dict[str, Any] | None:
+        """The thread demand read at start; when it exceeds the cores, the slowdown it costs, measured
+        now (a fraction of a second, only then)."""
+        from resource_guard.observe.threads import oversubscription_slowdown
+
+        demand = self._threads
+        if demand is None:
+            return None
+        out: dict[str, Any] = demand.to_dict()
+        out["slowdown"] = oversubscription_slowdown(demand) if demand.oversubscribed else None
+        return out
+
+    def _compile_figures(self) -> dict[str, Any] | None:
+        """torch.compile's recompilations, graph breaks and compile time since start (``None``: none)."""
+        from resource_guard.observe.dynamo import compile_counters
+
+        start = self._compile_start
+        if start is None:
+            return None
+        delta = compile_counters().since(start)
+        return delta.to_dict() if delta.frames or delta.graph_breaks or delta.recompiles else None
 
     def _memory_growth(self) -> dict[str, Any] | None:
         trend = self._guard("memory growth", self._memory.trend) if self._memory is not None else None
