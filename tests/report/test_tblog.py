@@ -130,7 +130,9 @@ def test_other_writers_get_add_scalar_calls() -> None:
         def add_scalar(self, tag: str, value: float, step: int) -> None:
             calls.append((tag, value, step))
 
-    TBLog(Minimal()).scalars(2, {"a": 1.0, "b": None})
+    log = TBLog(Minimal())
+    log.scalars(2, {"a": 1.0, "b": None})
+    log.wait()
     assert calls == [("resource_guard/a", 1.0, 2)]
 
 
