@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,9 @@ class MonitorOutputs:
     precision: str | None
     loader_info: dict[str, Any]
     _threads: ThreadDemand | None = None  # read at start
+    _hwm_read_at: float = -math.inf  # when VmHWM was last read (time.monotonic)
+    _closed: bool
+    interval_s: float
     _compile_start: Any = None  # dynamo's counters at start
 
     @property
@@ -246,10 +250,19 @@ class MonitorOutputs:
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return float(peak)
-        hwm = peak_rss_bytes() if self._rss_reset else None
-        if hwm is not None:
-            self._rss_reset = reset_peak_rss()
-            return float(hwm)
+        if self._rss_reset:
+            # reading and resetting VmHWM costs a few hundred us (the kernel walks the page tables):
+            # at most once per sampling interval, and always at close; a high-water mark read later
+            # still holds this interval's peak, so the run's peak is exact
+            now = time.monotonic()
+            if now - self._hwm_read_at < self.interval_s and not self._closed:
+                sampled = gauges.get("host/process_rss_bytes")
+                return None if sampled is None else sampled[1]
+            hwm = peak_rss_bytes()
+            if hwm is not None:
+                self._hwm_read_at = now
+                self._rss_reset = reset_peak_rss()
+                return float(hwm)
         sampled = gauges.get("host/process_rss_bytes")
         return None if sampled is None else sampled[1]
 

@@ -28,6 +28,7 @@ import contextlib
 import io
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,7 @@ _CAPACITY_COLOR = "#dc0000"
 _CATEGORY_COLORS = ("C0", "C1", "C2", "C4", "C8", "C5", "C7", "C9", "C6", "C3")
 _MIN_LABELLED_SPAN = 0.06  # a phase shorter than this share of the step gets its line, not its name
 _OFF_SCALE = 4.0  # a capacity more than this many times the peak (a CPU's RAM) is written, not drawn
+_POLL_S = 0.05  # the flusher's own wake-up period: a boundary's events are written within this
 _DRAIN_TIMEOUT_S = 60.0  # a flusher that has not written a log interval's events in this long is stuck
 
 
@@ -214,17 +216,20 @@ def _flush_writer(writer: Any) -> None:
 class _Flusher:
     """A daemon thread that runs the jobs handed to it (writer calls), then flushes the writer.
 
-    :meth:`submit` first waits for the jobs handed over before it (normally already done: the writer
-    had a whole log interval), so that they are on disk by the next log boundary, and raises the error
+    It wakes on its own every ``_POLL_S`` (the training thread hands a job over with a deque append,
+    no thread wake-up, no lock); :meth:`submit` first makes sure the jobs handed over before it are
+    done (normally long done: the flusher had a whole log interval), waking the flusher and waiting
+    only when they are not, so that they are on disk by the next log boundary, and raises the error
     of a job that failed. The interpreter's exit drains it (``atexit``).
     """
 
     def __init__(self, writer: Any) -> None:
         self._writer = writer
         self._jobs: collections.deque[tuple[Callable[[Any], None], bool]] = collections.deque()
+        self._submitted = 0
+        self._done = 0
         self._wake = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
+        self._finished = threading.Condition()
         self._stopping = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="resource_guard-tensorboard", daemon=True)
@@ -233,36 +238,48 @@ class _Flusher:
 
     def submit(self, job: Callable[[Any], None], *, flush: bool) -> None:
         self.wait()
-        self._idle.clear()
+        self._submitted += 1
         self._jobs.append((job, flush))
-        self._wake.set()
 
     def wait(self) -> None:
-        if not self._idle.wait(_DRAIN_TIMEOUT_S):
-            raise TimeoutError(f"TensorBoard's events were not written within {_DRAIN_TIMEOUT_S} s")
+        """Return once every submitted job is done; raise the error of one that failed."""
+        if self._done < self._submitted:
+            deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+            with self._finished:
+                while self._done < self._submitted and self._thread.is_alive():
+                    self._wake.set()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"TensorBoard's events were not written within {_DRAIN_TIMEOUT_S} s")
+                    self._finished.wait(min(left, _POLL_S))
         error, self._error = self._error, None
         if error is not None:
             raise error
 
     def _run(self) -> None:
-        while True:
-            self._wake.wait()
+        while not self._stopping:
+            self._wake.wait(_POLL_S)
             self._wake.clear()
-            flush = False
-            try:
-                while self._jobs:
-                    job, wants_flush = self._jobs.popleft()
-                    job(self._writer)
-                    flush = flush or wants_flush
-                if flush:
-                    _flush_writer(self._writer)
-            except BaseException as exc:  # handed to the training thread's next call
-                self._jobs.clear()
-                self._error = exc
-            if not self._jobs:
-                self._idle.set()
-            if self._stopping:
-                return
+            self._drain()
+
+    def _drain(self) -> None:
+        done, flush = 0, False
+        try:
+            while self._jobs:
+                job, wants_flush = self._jobs.popleft()
+                done += 1
+                job(self._writer)
+                flush = flush or wants_flush
+            if flush:
+                _flush_writer(self._writer)
+        except BaseException as exc:  # handed to the training thread's next call
+            done += len(self._jobs)
+            self._jobs.clear()
+            self._error = exc
+        if done:
+            with self._finished:
+                self._done += done
+                self._finished.notify_all()
 
     def stop(self) -> None:
         """Write what is pending, stop the thread; raise an error the flusher met."""
@@ -270,9 +287,7 @@ class _Flusher:
         self._stopping = True
         self._wake.set()
         self._thread.join(_DRAIN_TIMEOUT_S)
-        while self._jobs:  # the thread stopped before the last jobs (or died): write them here
-            job, _ = self._jobs.popleft()
-            job(self._writer)
+        self._drain()  # what the thread left (handed over after its last round)
         error, self._error = self._error, None
         if error is not None:
             raise error
@@ -280,7 +295,6 @@ class _Flusher:
     def _at_exit(self) -> None:
         with contextlib.suppress(Exception):
             self.stop()
-            _flush_writer(self._writer)
 
 
 def _file_writer(writer: Any) -> Any:
