@@ -25,7 +25,9 @@ import torch
 __all__ = ["ThreadDemand", "thread_demand", "local_processes", "oversubscription_slowdown"]
 
 _PROBE_REPEATS = 3
-_PROBE_ROUNDS = 3
+_PROBE_ROUNDS = 2  # at least
+_PROBE_MAX_ROUNDS = 8
+_PROBE_BUDGET_S = 0.5  # more rounds while within it
 
 
 @dataclass(frozen=True)
@@ -105,18 +107,23 @@ def _best(threads: int) -> float:
 
 def oversubscription_slowdown(demand: ThreadDemand) -> float | None:
     """How many times slower the probe workload runs at ``demand.intra_op`` threads than at
-    ``demand.fitting_threads`` (``None`` when they are equal): the best of alternating rounds, so a
-    burst of load elsewhere hits both. Restores the thread count; a fraction of a second, run once at
+    ``demand.fitting_threads`` (``None`` when they are equal): the best of a few rounds of each.
+    Restores the thread count; a fraction of a second, run once at
     the end of an oversubscribed run."""
     fit = demand.fitting_threads
     if fit >= demand.intra_op:
         return None
     before = torch.get_num_threads()
     slow = fast = float("inf")
+    deadline = time.perf_counter() + _PROBE_BUDGET_S
     try:
-        for _ in range(_PROBE_ROUNDS):
-            slow = min(slow, _best(demand.intra_op))
+        # rounds of both counts until the budget is spent, the best of each: on a shared machine a
+        # round of the fitting count can lose its cores to other processes for a while
+        for i in range(_PROBE_MAX_ROUNDS):
             fast = min(fast, _best(fit))
+            slow = min(slow, _best(demand.intra_op))
+            if i + 1 >= _PROBE_ROUNDS and time.perf_counter() > deadline:
+                break
     finally:
         torch.set_num_threads(before)
     return slow / fast if fast > 0 else None
