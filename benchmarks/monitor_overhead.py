@@ -20,8 +20,9 @@ hits both sides of a difference), in µs per step and in % of the baseline step.
 
 Also printed: the monitor's per-step calls timed alone (``batch_ready`` + ``step_end`` on a step that
 does not log, and the extra cost of a step that logs: the median of 20 log boundaries 50 steps apart,
-with 3 ms of GIL-free time per step as a training step leaves TensorBoard's background flusher), which
-is the floor the loop figures cannot show on a noisy machine. Target (issue #22): monitoring <= 0.2% of the step.
+with 3 ms of GIL-free time per step as a training step leaves TensorBoard's background flusher),
+which is the floor the loop figures cannot show on a noisy machine. Target (issues #22, #29):
+monitoring <= 0.2% of the step.
 
 Run:  python benchmarks/monitor_overhead.py [--rounds 15] [--steps 300] [--json PATH] 2>/dev/null
 

@@ -16,7 +16,9 @@ from resource_guard.observe.chrome_trace import read_trace, summarize_trace, tra
 from resource_guard.observe.profiling import ProfileWindow, StepProfiler
 
 TRACES = Path("/work/shared/traces")
-needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="the recorded GPU traces are not on this machine")
+needs_traces = pytest.mark.skipif(
+    not TRACES.is_dir(), reason="the recorded GPU traces are not on this machine"
+)
 
 
 def test_docstring_examples_run() -> None:
@@ -63,14 +65,25 @@ def test_self_times_come_from_nesting_per_thread() -> None:
             {"ph": "X", "cat": "cpu_op", "name": "aten::_to_copy", "ts": 12, "dur": 30, "tid": 1},
             {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 15, "dur": 20, "tid": 1},
             {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 20, "dur": 10, "tid": 2},  # other thread
-            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 200, "dur": 10, "tid": 1},  # after the step
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": "aten::mm",
+                "ts": 200,
+                "dur": 10,
+                "tid": 1,
+            },  # after the step
             {"ph": "s", "cat": "ac2g", "name": "flow", "ts": 5, "tid": 1},
         ]
     }
     records, steps, notes = trace_records(trace)
     own = {(r.name, r.thread): r.duration_us for r in records if not r.name.startswith("Profiler")}
     assert steps == 1 and notes == []
-    assert [v for (n, _), v in own.items() if n.startswith("aten::") and n != "aten::mm"] == [10.0, 10.0, 20.0]
+    assert [v for (n, _), v in own.items() if n.startswith("aten::") and n != "aten::mm"] == [
+        10.0,
+        10.0,
+        20.0,
+    ]
     assert sum(1 for n, _ in own if n == "aten::mm") == 1
 
 

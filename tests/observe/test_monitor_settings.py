@@ -37,12 +37,19 @@ def test_oversubscribed_threads_are_measured_at_close_and_reported(
         torch.set_num_threads(before)
     assert report is not None
     t = report.stats.threads
-    assert t is not None and t["intra_op_threads"] == 8 and t["cores"] == 2 and t["slowdown"] == pytest.approx(3.0)
+    assert (
+        t is not None
+        and t["intra_op_threads"] == 8
+        and t["cores"] == 2
+        and t["slowdown"] == pytest.approx(3.0)
+    )
     f = report.finding("threads")
     assert f is not None and f.severity == "warning" and "torch.set_num_threads(2)" in f.advice[0]
 
 
-def test_fitting_threads_take_no_probe_and_no_finding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fitting_threads_take_no_probe_and_no_finding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def never(n: int) -> float:
         raise AssertionError("the probe runs only when the threads exceed the cores")
 
@@ -51,7 +58,9 @@ def test_fitting_threads_take_no_probe_and_no_finding(tmp_path: Path, monkeypatc
     mon = RunMonitor(None, profile=False, summary=False)
     _run(mon, lambda x: x.sum())
     report = mon.close()
-    assert report is not None and report.stats.threads is not None and report.stats.threads["slowdown"] is None
+    assert (
+        report is not None and report.stats.threads is not None and report.stats.threads["slowdown"] is None
+    )
     assert report.finding("threads") is None and report.stats.compile is None
 
 

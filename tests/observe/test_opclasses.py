@@ -43,8 +43,16 @@ def test_the_module_is_framework_free() -> None:
         ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<...>>", True, "attention"),
         ("fmha_cutlassF_f16_aligned_64x64_rf_sm80", True, "attention"),
         ("ampere_sgemm_128x64_nn", True, "matmul"),
-        ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", True, "elementwise"),
-        ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(...)>", True, "casts"),
+        (
+            "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
+            True,
+            "elementwise",
+        ),
+        (
+            "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(...)>",
+            True,
+            "casts",
+        ),
         ("void at::native::multi_tensor_apply_kernel<...FusedAdamMathFunctor...>", True, "optimizer"),
         ("Memcpy DtoD (Device -> Device)", True, "casts"),
         ("Memcpy HtoD (Pinned -> Device)", True, "other"),
@@ -68,7 +76,15 @@ def test_user_frame_skips_library_frames() -> None:
     assert user_frame(stack[:4]) is None
 
 
-def _ev(name: str, start: float, dur: float, *, device: bool = False, python: bool = False, self_us: float | None = None) -> EventRecord:
+def _ev(
+    name: str,
+    start: float,
+    dur: float,
+    *,
+    device: bool = False,
+    python: bool = False,
+    self_us: float | None = None,
+) -> EventRecord:
     return EventRecord(
         name, device, dur if self_us is None else self_us, start_us=start, total_us=dur, python=python
     )

@@ -85,7 +85,9 @@ def test_comm_bound_on_exposed_communication_only() -> None:
     exposed = _profile(op_timeline="device", comm_us=4000.0, exposed_comm_us=2000.0)
     f = rule_comm_bound(RunStats(step_time_s=0.01, profile=exposed, world_size=8))
     _time_finding_contract(f, 0.01)
-    assert f is not None and f.evidence["exposed_comm_share"] == 0.2 and f.evidence["overlapped_fraction"] == 0.5
+    assert (
+        f is not None and f.evidence["exposed_comm_share"] == 0.2 and f.evidence["overlapped_fraction"] == 0.5
+    )
     hidden = _profile(op_timeline="device", comm_us=4000.0, exposed_comm_us=COMM_BOUND_SHARE * 10_000 * 0.5)
     assert rule_comm_bound(RunStats(step_time_s=0.01, profile=hidden)) is None
 
@@ -97,7 +99,9 @@ def test_the_8_rank_nccl_trace_is_comm_bound_and_the_sync_trace_is_not() -> None
     p = summarize_trace(TRACES / "rank3-of-8-nccl.json.gz")
     report = analyze(RunStats(steps=6, profile=p, device_kind="cuda", world_size=8))
     f = report.finding("comm-bound")
-    assert f is not None and f.evidence["exposed_comm_share"] == pytest.approx(p.exposed_comm_us / p.step_wall_us, abs=1e-4)
+    assert f is not None and f.evidence["exposed_comm_share"] == pytest.approx(
+        p.exposed_comm_us / p.step_wall_us, abs=1e-4
+    )
     assert report.finding("host-sync") is None and report.finding("casts") is None
 
 
@@ -142,7 +146,13 @@ def test_recompiles_warn_when_they_cost_and_name_the_failed_guard() -> None:
     assert "size mismatch at index 1" in f.advice[0] and "mark_dynamic" in f.advice[1]
     cheap = rule_recompiles(RunStats(step_time_s=0.1, duration_s=1000.0, compile=compile_info))
     assert cheap is not None and cheap.severity == "info"
-    breaks = {**compile_info, "recompiles": 0, "recompile_s": 0.0, "graph_breaks": 2, "break_reasons": ["print (2x)"]}
+    breaks = {
+        **compile_info,
+        "recompiles": 0,
+        "recompile_s": 0.0,
+        "graph_breaks": 2,
+        "break_reasons": ["print (2x)"],
+    }
     g = rule_recompiles(RunStats(duration_s=20.0, compile=breaks))
     assert g is not None and g.severity == "info" and "print (2x)" in g.advice[-1]
     assert rule_recompiles(RunStats(compile=None)) is None

@@ -113,7 +113,11 @@ def test_background_events_are_on_disk_after_close_and_after_an_exception_in_the
         log.scalars(step, {"time/step_s": step / 10})
     log.close()
     log.close()  # idempotent
-    assert [e.step for e in _accumulator(tmp_path / "plain").Scalars("resource_guard/time/step_s")] == [1, 2, 3]
+    assert [e.step for e in _accumulator(tmp_path / "plain").Scalars("resource_guard/time/step_s")] == [
+        1,
+        2,
+        3,
+    ]
 
 
 def test_the_private_file_writer_hook_still_exists(tmp_path: Path) -> None:

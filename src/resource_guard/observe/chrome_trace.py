@@ -82,7 +82,9 @@ def trace_records(trace: Mapping[str, Any]) -> tuple[list[EventRecord], int, lis
         steps = [(first, last - first)]
         notes.append("the trace has no ProfilerStep# spans: it was read as one step")
     lo, hi = min(s for s, _ in steps), max(s + d for s, d in steps)
-    records = [EventRecord(f"ProfilerStep#{i}", False, d, start_us=s, total_us=d) for i, (s, d) in enumerate(steps)]
+    records = [
+        EventRecord(f"ProfilerStep#{i}", False, d, start_us=s, total_us=d) for i, (s, d) in enumerate(steps)
+    ]
     records += _host_records([(ev, s, d) for ev, s, d in host if lo <= s < hi])
     records += [r for r in device if r.start_us is not None and lo <= r.start_us < hi]
     return records, len(steps), notes
@@ -100,7 +102,8 @@ def _host_records(host: list[tuple[Mapping[str, Any], float, float]]) -> list[Ev
         stack: list[list[Any]] = []  # [end, index into out]
         for ev, start, dur in items:
             python = ev.get("cat") == "python_function"
-            args = ev.get("args") if isinstance(ev.get("args"), Mapping) else {}
+            raw = ev.get("args")
+            args: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
             record = EventRecord(
                 str(ev.get("name", "")),
                 False,
@@ -119,7 +122,9 @@ def _host_records(host: list[tuple[Mapping[str, Any], float, float]]) -> list[Ev
                 stack.pop()
             if stack:  # the enclosing op loses this child's time from its self time
                 parent = out[stack[-1][1]]
-                out[stack[-1][1]] = dataclasses.replace(parent, duration_us=max(0.0, parent.duration_us - dur))
+                out[stack[-1][1]] = dataclasses.replace(
+                    parent, duration_us=max(0.0, parent.duration_us - dur)
+                )
             stack.append([start + dur, len(out) - 1])
     return out
 
@@ -127,7 +132,9 @@ def _host_records(host: list[tuple[Mapping[str, Any], float, float]]) -> list[Ev
 def _shapes(dims: Any) -> tuple[tuple[int, ...], ...]:
     if not isinstance(dims, list):
         return ()
-    return tuple(tuple(int(d) for d in s) for s in dims if isinstance(s, list) and all(isinstance(d, int) for d in s))
+    return tuple(
+        tuple(int(d) for d in s) for s in dims if isinstance(s, list) and all(isinstance(d, int) for d in s)
+    )
 
 
 def summarize_trace(path: str | Path) -> ProfileSummary:

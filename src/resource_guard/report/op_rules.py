@@ -75,7 +75,10 @@ def _faster(step_s: float | None, share: float) -> tuple[float | None, str]:
         return None, ""
     share = min(max(share, 0.0), 0.95)  # bounded: the rest of the step stays
     predicted = step_s * (1.0 - share)
-    return predicted, f"; without it the step would take about {predicted * 1e3:.1f} ms ({share / (1 - share):.0%} faster)"
+    return (
+        predicted,
+        f"; without it the step would take about {predicted * 1e3:.1f} ms ({share / (1 - share):.0%} faster)",
+    )
 
 
 def _sites(rows: Any) -> list[str]:
@@ -133,7 +136,8 @@ def rule_host_sync(s: RunStats) -> Finding | None:
         "sync_idle_us_per_step": round(p.sync_idle_us, 1),
         "call_sites": sites,
     }
-    title = f"Host-device syncs: {p.syncs_per_step:.0f} per step leave the GPU idle {share:.0%} of the step{faster}"
+    idle = f"leave the GPU idle {share:.0%} of the step"
+    title = f"Host-device syncs: {p.syncs_per_step:.0f} per step {idle}{faster}"
     return Finding("host-sync", "warning", title, evidence, tuple(advice), predicted)
 
 
@@ -238,7 +242,9 @@ def rule_comm_bound(s: RunStats) -> Finding | None:
         "overlapped_fraction": round(hidden, 3),
         "world_size": s.world_size,
     }
-    title = f"Communication-bound: {share:.0%} of the step waits on communication not hidden by compute{faster}"
+    title = (
+        f"Communication-bound: {share:.0%} of the step waits on communication not hidden by compute{faster}"
+    )
     return Finding("comm-bound", "warning", title, evidence, advice, predicted)
 
 

@@ -250,7 +250,9 @@ class _Flusher:
                     self._wake.set()
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise TimeoutError(f"TensorBoard's events were not written within {_DRAIN_TIMEOUT_S} s")
+                        raise TimeoutError(
+                            f"TensorBoard's events were not written within {_DRAIN_TIMEOUT_S} s"
+                        )
                     self._finished.wait(min(left, _POLL_S))
         error, self._error = self._error, None
         if error is not None:
