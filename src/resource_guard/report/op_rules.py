@@ -75,10 +75,9 @@ def _faster(step_s: float | None, share: float) -> tuple[float | None, str]:
         return None, ""
     share = min(max(share, 0.0), 0.95)  # bounded: the rest of the step stays
     predicted = step_s * (1.0 - share)
-    return (
-        predicted,
-        f"; without it the step would take about {predicted * 1e3:.1f} ms ({share / (1 - share):.0%} faster)",
-    )
+    speedup = 1.0 / (1.0 - share)
+    faster = f"{speedup:.1f}x as fast" if speedup >= 2.0 else f"about {speedup - 1.0:.0%} faster"
+    return predicted, f"; without it the step would take about {predicted * 1e3:.1f} ms ({faster})"
 
 
 def _sites(rows: Any) -> list[str]:
