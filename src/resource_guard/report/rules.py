@@ -19,6 +19,8 @@ raised a warning). The thresholds are module constants:
   estimate of that same quantity (the allocator model's allocated peak) by more than
   ``ESTIMATE_DRIFT_FRACTION`` (5%). Never on the CPU, whose measured figure is the process's RSS.
 - memory-growth, fragmentation: memory over time, in :mod:`resource_guard.report.memory_rules`.
+- casts, host-sync, threads, recompiles, comm-bound: op-level causes, in
+  :mod:`resource_guard.report.op_rules`.
 
 The rules are re-exported from :mod:`resource_guard.report.findings`.
 """
@@ -30,6 +32,7 @@ from typing import Any
 
 from resource_guard.devices import format_bytes
 from resource_guard.report.memory_rules import rule_fragmentation, rule_memory_growth
+from resource_guard.report.op_rules import OP_RULES
 from resource_guard.report.shape_findings import rule_shapes
 from resource_guard.report.types import Finding, RunStats
 
@@ -304,4 +307,5 @@ RULES: tuple[Callable[[RunStats], Finding | None], ...] = (
     rule_estimate_drift,
     rule_memory_growth,
     rule_fragmentation,
+    *OP_RULES,
 )
