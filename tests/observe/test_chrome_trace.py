@@ -1,5 +1,6 @@
-"""Tests for resource_guard.observe.chrome_trace on the real GPU traces in /work/shared/traces (HTA's
-test data: syncs on one GPU, NCCL ranks of 2- and 8-GPU jobs) and on a trace this CPU writes."""
+"""Tests for resource_guard.observe.chrome_trace on the real GPU traces in tests/data/traces (HTA's
+test data, MIT: syncs on one GPU, NCCL ranks of 2- and 8-GPU jobs; see its README) and on a trace this
+CPU writes."""
 
 from __future__ import annotations
 
@@ -15,10 +16,7 @@ from resource_guard.observe import chrome_trace
 from resource_guard.observe.chrome_trace import read_trace, summarize_trace, trace_records
 from resource_guard.observe.profiling import ProfileWindow, StepProfiler
 
-TRACES = Path("/work/shared/traces")
-needs_traces = pytest.mark.skipif(
-    not TRACES.is_dir(), reason="the recorded GPU traces are not on this machine"
-)
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 
 
 def test_docstring_examples_run() -> None:
@@ -30,7 +28,6 @@ def _count(path: Path, cat: str, names: tuple[str, ...]) -> int:
     return sum(1 for e in events if e.get("cat") == cat and e.get("name") in names)
 
 
-@needs_traces
 def test_the_syncs_of_a_real_gpu_trace_are_counted_and_leave_idle_gaps() -> None:
     path = TRACES / "alexnet-train-syncs.json.gz"
     s = summarize_trace(path)
@@ -44,7 +41,6 @@ def test_the_syncs_of_a_real_gpu_trace_are_counted_and_leave_idle_gaps() -> None
     assert 0 < small.sync_idle_us < small.step_wall_us
 
 
-@needs_traces
 @pytest.mark.parametrize(("name", "world"), [("ddp2-nccl-allreduce", 2), ("rank3-of-8-nccl", 8)])
 def test_nccl_ranks_show_communication_and_its_exposed_part(name: str, world: int) -> None:
     s = summarize_trace(TRACES / f"{name}.json.gz")
