@@ -204,12 +204,36 @@ def test_reduced_gemms_are_probed_only_where_onednn_packs_them(
     monkeypatch: pytest.MonkeyPatch, isa: str, packs: bool
 ) -> None:
     seen = _count_probes(monkeypatch)
+    monkeypatch.setattr(cpu_support, "_reduced_gemm_packs", lambda dtype: True)  # probes may run here
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8))
     with play_cpu(isa):  # the decision reads the CPU profile
         estimate_memory(model, torch.optim.SGD, torch.randn(32, 64), lambda m, b: m(b).float().sum(),
                         precision="bf16-mixed", device="cpu")  # fmt: skip
     gemms = [f for f in seen if f.split(".")[1] in ("mm", "addmm")]
     assert bool(gemms) is packs
+
+
+@pytest.mark.parametrize("process_packs", [True, False])
+def test_a_played_cpu_that_packs_gets_the_packing_allowance(
+    monkeypatch: pytest.MonkeyPatch, process_packs: bool
+) -> None:
+    """A played AVX-512 CPU packs bf16 GEMMs: where this process's oneDNN packs too, the GEMM is probed;
+    where it does not (an AVX2 machine), the rule of thumb stands in (a probe would measure ATen's loop)."""
+    monkeypatch.setattr(cpu_support, "_reduced_gemm_packs", lambda dtype: process_packs)
+    seen = _count_probes(monkeypatch)
+    monkeypatch.setattr(kernels, "_probe", lambda *a: seen.append("probe") or kernels.KernelExtra(123))
+    with torch.device("meta"):
+        a, b = torch.empty(64, 128, dtype=torch.bfloat16), torch.empty(128, 32, dtype=torch.bfloat16)
+        out = a @ b
+    with play_cpu("avx512_core"):
+        extra = kernels.kernel_extra(torch.ops.aten.mm.default, (a, b), {}, out, lambda t: None)
+    assert extra is not None
+    if process_packs:
+        assert (extra.scratch_bytes, seen) == (123, ["probe"])
+    else:
+        assert (extra.scratch_bytes, seen) == (int(64 * 128 * 2 * 1.5), [])
+    with play_cpu("avx2"):
+        assert kernels.kernel_extra(torch.ops.aten.mm.default, (a, b), {}, out, lambda t: None) is None
 
 
 def test_large_flash_attention_probe_is_cut_and_extrapolated_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
