@@ -261,7 +261,7 @@ def kernel_extra(
         copied = _blas_copy_bytes(func, args)
         dtype = next((t.dtype for t in args[:3] if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
         reduced = cpu and dtype in (torch.bfloat16, torch.float16) and reduced_gemm_packs(dtype)
-        if not reduced:
+        if not reduced or dtype is None:
             return KernelExtra(copied) if copied else None
         if cpu_profile().played and not _process_gemm_packs(dtype):
             # a played CPU whose oneDNN packs where this process's does not: a probe here would measure
