@@ -6,7 +6,8 @@ cap included), so a failure report names the hardware every host-dependent decis
 ``--play-cpu ISA`` runs every test under another CPU's profile (:func:`resource_guard.devices.play_cpu`,
 e.g. ``--play-cpu avx512_core_bf16`` on an AVX2 machine): the decisions that read the profile (the
 planner's ``precision="auto"``, the kernel allowances) are that CPU's, while real kernels stay this
-machine's. It finds tests whose expectation depends on the CPU. A single test pins a CPU the same way,
+machine's (so the ``cpu_reference`` tests, which compare with a real step, keep this machine's profile).
+It finds tests whose expectation depends on the CPU. A single test pins a CPU the same way,
 ``with play_cpu("avx2"):``.
 
 Test isolation (issue #17: the suite passes in any order, ``pytest-randomly``'s default, and in parallel,
@@ -76,8 +77,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.fixture(autouse=True)
 def _played_cpu(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every test under the CPU profile ``--play-cpu`` names (none: this machine's)."""
-    isa = request.config.getoption("--play-cpu")
+    """Every test under the CPU profile ``--play-cpu`` names (none: this machine's), but those that compare
+    an estimate with a real step (marker ``cpu_reference``): the real kernels are this machine's, so the
+    estimate must be for this machine too (CI plays other CPUs for them with ``ONEDNN_MAX_CPU_ISA``)."""
+    isa = None if request.node.get_closest_marker("cpu_reference") else request.config.getoption("--play-cpu")
     with play_cpu(isa) if isa else contextlib.nullcontext():
         yield
 

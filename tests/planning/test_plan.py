@@ -139,6 +139,7 @@ def test_auto_precision_under_the_avx2_cap_is_fp32_and_says_why(monkeypatch):
     monkeypatch.setattr(
         cpu_module, "_process_profile", functools.cache(cpu_module._process_profile.__wrapped__)
     )
+    monkeypatch.setattr(cpu_module, "_played", [])  # (under pytest --play-cpu: this machine again)
     p = plan(nn.Linear(8, 1), torch.optim.SGD, torch.randn(4, 8), _loss, device="cpu")
     assert p.precision == "32-true"
     (why,) = [r for r in p.reasons if r.startswith("precision 32-true: ")]
