@@ -68,6 +68,7 @@ from resource_guard.step.training import LossFn, StandInLoss, batch_size_of
 
 if TYPE_CHECKING:
     from resource_guard.devices import DeviceSpec
+    from resource_guard.observe.phases import PhaseClock
     from resource_guard.planning.planner import Plan
 
 __all__ = ["Guard", "check_log_dir", "guard", "torch_device_of"]
@@ -180,6 +181,7 @@ class Guard:
         self._evals = EvalPreflights()
         self._stepper: Stepper | None = None  # backward and optimizer steps, once planned
         self._micro: MicroBatches | None = None  # the micro-batch size of each batch, once planned
+        self._clock: PhaseClock | None = None  # the monitor's phase clock, once it runs
         self._current_micro = 0  # size of the micro-batch being processed
         self._started = 0.0
 
@@ -246,6 +248,8 @@ class Guard:
                 memory_history=self._history,
                 shapes=self._shapes,
             )
+            self._clock = self._monitor.phases if self._monitor is not None else None
+            self._stepper.clock = self._clock
             for check in self._evals.checks:  # pre-flighted with the plan: into the report too
                 self._call_monitor("note", check.line())
 
@@ -285,7 +289,17 @@ class Guard:
             raise ConfigurationError("call `g.iterate(...)` inside `with guard(...) as g:`.")
         non_blocking = bool(getattr(loader, "pin_memory", False))
         expect_steps(self._monitor, loader)
-        for batch in loader:
+        batches = iter(loader)
+        while True:
+            clock = self._clock
+            if clock is not None:  # the data wait: the loader's own __next__, nothing else
+                clock.switch("data_wait")
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            if clock is not None:
+                clock.switch("other")
             if self.plan is None:
                 self._setup(batch, loader)
                 expect_steps(self._monitor, loader)
@@ -301,18 +315,52 @@ class Guard:
             rows = micro.rows(moved)
             if rows is not None and rows <= micro_size:  # the hot path: no slicing
                 self._current_micro = rows
-                yield moved
-                self.micro_steps += 1
+                yield self._forward(moved)
+                self._resumed()
             else:
                 for part in split_batch(moved, micro_size):
                     self._current_micro = batch_size_of(part) or 1
-                    yield part
-                    self.micro_steps += 1
+                    yield self._forward(part)
+                    self._resumed()
             if len(self.optimizers) > 1 and self._scaler is not None:
                 self._scaler.update()  # once per batch, after every optimizer stepped
             self._call_monitor("step_end")
+        if self._clock is not None:
+            self._clock.switch("other")
         if self._stepper is not None and self._stepper.pending:
             self._stepper.finish_partial_step()
+            if self._clock is not None:
+                self._clock.switch("other")
+
+    def _forward(self, batch: Any) -> Any:
+        """``batch``, the forward phase running from here until ``g.backward``."""
+        if self._clock is not None:
+            self._clock.switch("forward")
+        return batch
+
+    def _resumed(self) -> None:
+        """The loop asked for the next micro-batch: the user's code since ``g.backward`` was host time."""
+        self.micro_steps += 1
+        if self._clock is not None:
+            self._clock.switch("other")
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Time a block of the loop as phase ``name`` (``"checkpoint"``, ``"logging"``, ``"evaluation"``…).
+
+        The report splits each step's wall time by phase (:data:`~resource_guard.report.types.PHASES`);
+        the guard times data waits, forward, backward, the optimizer and evaluation itself, and counts
+        the rest of the loop's own code as ``host``. Saving a checkpoint or logging inside the loop is
+        named when wrapped::
+
+            with g.phase("checkpoint"):
+                torch.save(model.state_dict(), path)
+        """
+        from resource_guard.observe.phases import timed
+        from resource_guard.report.types import PHASES
+
+        if name not in PHASES:
+            raise ConfigurationError(f"`g.phase({name!r})` must name one of {', '.join(PHASES)}.")
+        return timed(self._clock, name)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Autocast for the planned precision on the planned device (a no-op for ``*-true``)."""
@@ -331,7 +379,14 @@ class Guard:
         stepper = self._stepper
         if self.plan is None or stepper is None:
             raise ConfigurationError("`g.backward(loss)` must follow a batch from `g.iterate(loader)`.")
-        return stepper.backward(loss, self._current_micro, optimizer)
+        clock = self._clock
+        if clock is None:
+            return stepper.backward(loss, self._current_micro, optimizer)
+        clock.switch("backward")
+        try:
+            return stepper.backward(loss, self._current_micro, optimizer)
+        finally:
+            clock.switch("host")  # until the loop asks for the next batch: the user's own code
 
     # ------------------------------------------------------------------------------------------------
     # evaluation (the parts: frontdoors/guard/evaluation.py)
@@ -354,6 +409,8 @@ class Guard:
             )
         device, non_blocking = self.device, bool(getattr(loader, "pin_memory", False))
         self._eval_mode.remember()
+        clock = self._clock
+        previous = clock.switch("evaluation") if clock is not None else None
         try:
             for i, batch in enumerate(loader):
                 if i == 0:
@@ -362,6 +419,8 @@ class Guard:
                 yield to_device(batch, device, non_blocking)
         finally:
             self._eval_mode.restore()
+            if clock is not None and previous is not None:
+                clock.switch(previous)
 
     def _preflight_eval(self, batch: Any, later: bool = False) -> None:
         assert self.plan is not None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from resource_guard.errors import ConfigurationError
+from resource_guard.observe.phases import PhaseClock
 
 __all__ = ["Stepper"]
 
@@ -42,6 +43,7 @@ class Stepper:
         self.optimizers, self.target, self.scaler, self.clip = optimizers, target, scaler, clip
         self.pending = 0  # samples accumulated since the last optimizer step
         self.optimizer_steps = 0
+        self.clock: PhaseClock | None = None  # the monitor's phase clock: the step is "optimizer" time
 
     def backward(
         self, loss: torch.Tensor, micro: int, optimizer: torch.optim.Optimizer | None = None
@@ -87,6 +89,8 @@ class Stepper:
     def step(self, optimizer: torch.optim.Optimizer | None = None, update: bool = True) -> None:
         """Unscale and clip (when asked), step and zero ``optimizer`` (default: the first)."""
         optimizer = optimizer if optimizer is not None else self.optimizers[0]
+        if self.clock is not None:
+            self.clock.switch("optimizer")  # back to "host" when g.backward returns
         if self.scaler is not None:
             if self.clip is not None:
                 self.scaler.unscale_(optimizer)
