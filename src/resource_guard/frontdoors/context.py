@@ -247,6 +247,7 @@ class Guard:
                 profile=self._profile,
                 memory_history=self._history,
                 shapes=self._shapes,
+                optimizers=self.optimizers,
             )
             self._clock = self._monitor.phases if self._monitor is not None else None
             self._stepper.clock = self._clock

@@ -445,6 +445,7 @@ class ResourceGuard(Callback):
         )
         self._monitor.total_steps = _total_batches(trainer)
         self._monitor.shape_stats = self._shapes.stats if self._shapes is not None else None
+        self._monitor.optimizers = tuple(trainer.optimizers)
         self._monitor.start()
         if self._monitor.phases is not None:
             from resource_guard.frontdoors.lightning_phases import LightningPhases

@@ -98,10 +98,12 @@ class RunMonitor(MonitorOutputs):
             data wait is the time between a ``step_end`` and the next ``batch_ready``.
 
     ``shape_stats``: set by a front door to a callable returning its shape guard's counts (shapes
-    seen, splits, stops); read once, at close, into :attr:`RunStats.shapes`.
+    seen, splits, stops); read once, at close, into :attr:`RunStats.shapes`. ``optimizers``: set by a
+    front door to its optimizers, described at close into :attr:`RunStats.optimizers`.
     """
 
     shape_stats: Any = None
+    optimizers: Any = ()
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from resource_guard.observe.oom import SNAPSHOT_FILE, OomEvent, memory_history, write_oom
+from resource_guard.observe.optimizer_facts import describe_optimizer
 from resource_guard.observe.phases import PhaseClock, phase_means
 from resource_guard.observe.sampler import peak_rss_bytes, reset_peak_rss
 from resource_guard.observe.stats import METRIC_KEYS, interval_row, job_row, run_stats, tensorboard_scalars
@@ -70,6 +71,7 @@ class MonitorOutputs:
     _phase_sums: dict[str, float]
     _phase_steps: int
     _phase_first: tuple[dict[str, float], int] | None = None
+    optimizers: Any = ()  # set by a front door: its optimizers, described at close (optimizer-step)
     _history: bool
     _guard: Callable[..., Any]
     _comparable_estimate: int | None = None  # cached by _estimated_peak_bytes
@@ -185,6 +187,11 @@ class MonitorOutputs:
             expandable_segments=expandable_segments() if self._cuda else None,
         )
         stats = self._with_phases(stats)
+        if self.optimizers:  # the front door's optimizers: which step implementation runs
+            facts = self._guard(
+                "optimizer facts", lambda: tuple(describe_optimizer(o) for o in self.optimizers)
+            )
+            stats = dataclasses.replace(stats, optimizers=facts or ())
         if self.shape_stats is None:  # the front doors' shape guard, when on
             return stats
         return dataclasses.replace(stats, shapes=self._guard("shape stats", self.shape_stats))

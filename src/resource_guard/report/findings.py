@@ -55,6 +55,7 @@ __all__ = [
     "RunStats",
     "RULES",
     "analyze",
+    "rank_key",
     "available_cores",
     "report_command",
 ]
@@ -70,12 +71,30 @@ def _healthy(s: RunStats) -> Finding:
 
 
 def analyze(stats: RunStats, rules: tuple[Callable[[RunStats], Finding | None], ...] = RULES) -> Report:
-    """Run every rule over ``stats``; findings sorted by severity (critical first)."""
+    """Run every rule over ``stats``; findings ranked so that the first is the one to fix first
+    (:func:`rank_key`)."""
     found = [f for f in (rule(stats) for rule in rules) if f is not None]
     if not any(f.severity != "info" for f in found):
         found.insert(0, _healthy(stats))
-    found.sort(key=lambda f: -SEVERITIES.index(f.severity))
+    found.sort(key=lambda f: rank_key(f, stats.step_time_s))
     return Report(tuple(found), stats)
+
+
+_STOPS = ("oom", "shapes")  # the run stopped (or will): fixed before any speed-up matters
+
+
+def rank_key(finding: Finding, step_time_s: float | None) -> tuple[int, int, float]:
+    """Where ``finding`` goes: ``healthy`` first when present (only info findings beside it); then
+    critical ``oom`` and shape stops; then by the time the finding costs (the step minus its predicted
+    step), with findings that cost no measured time after those that do, each group by severity."""
+    severity = -SEVERITIES.index(finding.severity)
+    if finding.id == "healthy":
+        return (0, severity, 0.0)
+    if finding.id in _STOPS and finding.severity == "critical":
+        return (1, severity, 0.0)
+    if finding.severity != "info" and finding.predicted_step_s is not None and step_time_s:
+        return (2, 0, -(step_time_s - finding.predicted_step_s))
+    return (3, severity, 0.0)
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,9 @@ class RunStats:
     expandable_segments: bool | None = None
     shapes: Mapping[str, Any] | None = None  # the front doors' shape guard: shapes seen, splits, stops
     phases: Mapping[str, float] | None = None  # mean seconds per step by phase (keys from PHASES)
+    # the optimizers' facts for the optimizer-step rule (observe/optimizer_facts.py): name, tensors,
+    # foreach, fused, for_loop (the implementation that runs), fused_available
+    optimizers: tuple[Mapping[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -219,6 +222,7 @@ class RunStats:
         out["memory_growth"] = None if self.memory_growth is None else dict(self.memory_growth)
         out["shapes"] = None if self.shapes is None else dict(self.shapes)
         out["phases"] = None if self.phases is None else dict(self.phases)
+        out["optimizers"] = [dict(o) for o in self.optimizers]
         return out
 
     @classmethod
@@ -228,6 +232,7 @@ class RunStats:
         if values.get("profile") is not None:
             values["profile"] = ProfileSummary.from_dict(values["profile"])
         values["notes"] = tuple(values.get("notes", ()))
+        values["optimizers"] = tuple(values.get("optimizers", ()))
         return cls(**values)
 
 

@@ -107,6 +107,7 @@ def start_monitor(
     profile: Any,
     memory_history: bool,
     shapes: Any,
+    optimizers: tuple[torch.optim.Optimizer, ...] = (),
 ) -> Any:
     """A started :class:`~resource_guard.observe.monitor.RunMonitor`, or ``None`` (one warning) when it
     cannot start; a log dir that cannot be written raises."""
@@ -129,6 +130,7 @@ def start_monitor(
             phase_timing=True,  # the guard switches the monitor's phase clock at its boundaries
         )
         monitor.shape_stats = shapes.stats if shapes is not None else None
+        monitor.optimizers = optimizers
         monitor.start()
         return monitor
     except ConfigurationError:
