@@ -27,6 +27,7 @@ from resource_guard.observe.sampler import peak_rss_bytes, reset_peak_rss
 from resource_guard.observe.stats import METRIC_KEYS, interval_row, job_row, run_stats, tensorboard_scalars
 from resource_guard.observe.throughput import aggregate_rows, peak_flops_per_s
 from resource_guard.planning.projection_result import remaining_markdown, remaining_run
+from resource_guard.report.breakdown import phase_line
 from resource_guard.report.findings import Report, RunStats
 from resource_guard.report.tensorboard import memory_picture, png_bytes
 
@@ -372,7 +373,8 @@ def console_summary(report: Report) -> None:
     if _log.isEnabledFor(logging.INFO):
         line = report.summary_line()
         extra = [f"  {f.severity} {f.id}: {f.title}" for f in report.findings if f.id != "healthy"]
-        _log.info("\n".join([line, *extra]))
+        phases = phase_line(report.stats)
+        _log.info("\n".join([line, *([f"  {phases}"] if phases else []), *extra]))
     else:
         from resource_guard.report.terminal import render_summary
 
