@@ -130,10 +130,11 @@ def rule_input_bound(s: RunStats) -> Finding | None:
     }
     title = f"Input-bound: {share:.0%} of the step time was spent waiting for the next batch"
     predicted = None
-    if s.step_time_s and s.data_wait_s is not None:
-        # workers load while the step computes: the wait goes, bounded by the workers' own pace
-        workers_after = max(1, (cores or 2) - 1, workers if isinstance(workers, int) else 1)
-        predicted = max(s.step_time_s - s.data_wait_s, s.data_wait_s / workers_after, 1e-9)
+    wait = s.phases.get("data_wait") if s.phases else s.data_wait_s
+    if s.step_time_s and wait is not None:
+        # workers load while the step computes: the wait goes, down to the step's own forward and backward
+        floor = sum(float((s.phases or {}).get(p) or 0.0) for p in ("forward", "backward"))
+        predicted = max(s.step_time_s - wait, floor, 1e-9)
         title += f"; {faster_text(s.step_time_s, predicted)} without it"
         evidence["predicted_step_s"] = predicted
     return Finding("input-bound", severity, title, evidence, tuple(advice), predicted)
