@@ -192,6 +192,8 @@ def test_lightning_internals_are_where_we_expect():
         "data_from_module",
         "drop_train_dataloader",
         "before_batch_transfer",
+        "transform_train_source",  # tests/frontdoors/test_lightning_rebatch.py
+        "process_train_loader",
     }
     t = trainer()
     model, data = Net(), Data()
@@ -311,12 +313,21 @@ def test_conflicting_settings_are_refused_with_the_remedy():
         trainer(ResourceGuard(precision="bf16-true", monitor=False)).fit(Net(), Data())
 
 
-def test_refuses_dataloaders_passed_to_fit_when_the_batch_size_must_change(fake_plan):
+def test_dataloaders_passed_to_fit_are_re_batched_when_the_micro_batch_is_smaller(fake_plan):
+    """More forms in tests/frontdoors/test_lightning_rebatch.py."""
     fake_plan(accumulation=2)
+    loader = DataLoader(TensorDataset(torch.randn(32, DIM), torch.randn(32, 1)), batch_size=16)
+    model = Net()
+    trainer(ResourceGuard(monitor=False)).fit(model, train_dataloaders=loader)
+    assert model.seen == [8, 8, 8, 8] and model.accumulate_seen == 2
+
+
+def test_refuses_dataloaders_passed_to_fit_when_the_micro_batch_is_larger(fake_plan):
+    fake_plan(micro=32)
     loader = DataLoader(TensorDataset(torch.randn(32, DIM), torch.randn(32, 1)), batch_size=16)
     model = StepCounter()
     StepCounter.calls = 0
-    with pytest.raises(ConfigurationError, match="passed to `trainer.fit"):
+    with pytest.raises(ConfigurationError, match="cannot run as whole micro-batches of 32"):
         trainer(ResourceGuard(monitor=False)).fit(model, train_dataloaders=loader)
     assert model.steps == 0
 
@@ -329,15 +340,17 @@ def test_dataloaders_passed_to_fit_are_fine_when_the_batch_size_stays(fake_plan)
     assert model.seen == [16, 16]
 
 
-def test_refuses_a_module_without_batch_size(fake_plan):
+def test_a_module_without_batch_size_is_re_batched(fake_plan):
+    """More forms in tests/frontdoors/test_lightning_rebatch.py."""
     fake_plan(accumulation=2)
 
     class NoBatchSize(Net):
         def train_dataloader(self):
             return DataLoader(TensorDataset(torch.randn(32, DIM), torch.randn(32, 1)), batch_size=16)
 
-    with pytest.raises(ConfigurationError, match="has a `batch_size` attribute"):
-        trainer(ResourceGuard(monitor=False)).fit(NoBatchSize())
+    model = NoBatchSize()
+    trainer(ResourceGuard(monitor=False)).fit(model)
+    assert model.seen == [8, 8, 8, 8] and model.accumulate_seen == 2
 
 
 def test_manual_optimization_is_planned_not_refused(fake_plan):

@@ -41,6 +41,7 @@ from resource_guard.estimate.trace.fake_world import (
 from resource_guard.estimate.trace.libraries import as_real_step
 from resource_guard.estimate.trace.recovery import fake_mode as _fake_mode
 from resource_guard.estimate.trace.recovery import fake_numpy
+from resource_guard.estimate.trace.sparse import SparseOps
 from resource_guard.estimate.trace.tracer import PeakRecord, StorageTracker
 from resource_guard.estimate.user_step import UserStep, check_optimizers, run_user_step
 from resource_guard.step.precision import PrecisionSpec, parse_precision
@@ -166,9 +167,11 @@ def _trace(
     step_spec, step_loss_fn, forward = target_forward(target or Target(device_kind), spec, loss_fn)
     cpu_check = CpuStepCheck() if device_kind == "cpu" else None
     composite = CompositeOps(device_kind, cpu_autocast=step_spec.autocast_dtype)
+    sparse = SparseOps(device_kind)
     tracker = StorageTracker(
         functools.partial(_kernels.kernel_extra, device_kind=device_kind, cpu_check=cpu_check),
         composite=composite,
+        sparse=sparse,
     )
     if rank_buffers is not None:  # FSDP2: one rank's gathered units and reduce buffers, in the trace
         rank_buffers.bind(tracker)
@@ -228,7 +231,7 @@ def _trace(
     best, phase_peaks = _select(tracker, variant)
     params = {id(p): p for p in model.parameters()}.values()
     recovered = tracker.recovery.summary()
-    notes = [f"recovered {line}" for line in recovered] + composite.notes()
+    notes = [f"recovered {line}" for line in recovered] + composite.notes() + sparse.notes()
     unsupported = cpu_check.unsupported if cpu_check is not None else ()
     unknown = cpu_check.unknown if cpu_check is not None else ()
     notes += cpu_check.notes() if cpu_check is not None else []
@@ -254,6 +257,7 @@ def _trace(
         allocations=tuple(_events_for(tracker, spans, variant)),
         initial_allocations=initial,
         gradient_allocations=tracker.gradient_uids,
+        sparse_gradient_allocations=tracker.sparse_gradient_uids,
         trace_seconds=time.perf_counter() - started,
         assumed_target=forward.describe(spec.name),
         recovered_ops=recovered,

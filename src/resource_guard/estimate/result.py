@@ -48,7 +48,9 @@ class MemoryEstimate:
             for the caching-allocator model of :meth:`for_device`; ``initial_allocations`` holds
             ``(id, bytes)`` of the storages alive when the step began; ``gradient_allocations`` the
             gradients alive when ``zero_grad`` began, ``(id, n)``: accumulated into ``.grad`` after the
-            first ``n`` events (``-1``: not known).
+            first ``n`` events (``-1``: not known); ``sparse_gradient_allocations`` the sparse ones among
+            them, ``(id of the values, bytes)``: what the next micro-step's accumulation allocates
+            (old and new rows concatenated, indices and values).
         trace_seconds: time the estimate took.
         assumed_target: the device behaviour the step was traced as, stated in every summary:
             ``"as on cuda sm80 (a100-40gb), bf16-mixed, autocast policy: cuda, attention: flash×24"``.
@@ -79,6 +81,7 @@ class MemoryEstimate:
     allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     initial_allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     gradient_allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+    sparse_gradient_allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     trace_seconds: float = 0.0
     assumed_target: str = ""
     cpu_unsupported: tuple[str, ...] = ()

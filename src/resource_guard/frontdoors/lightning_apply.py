@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import pickle
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -115,10 +115,49 @@ def before_batch_transfer(pl_module: pl.LightningModule, batch: Any) -> Any:
     return pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
 
 
+def transform_train_source(trainer: pl.Trainer, transform: Callable[[Any], Any]) -> Callable[[], None]:
+    """Have the fit loop pass every train dataloader it requests (from ``fit``'s argument, the module or
+    the datamodule) through ``transform`` before it processes it; returns the undo. Private:
+    ``fit_loop._data_source`` (a ``_DataLoaderSource``; no public hook sees the loader before the loop
+    builds its iterator)."""
+    from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+
+    loop = trainer.fit_loop
+    original = loop._data_source
+    if not isinstance(original, _DataLoaderSource):
+        raise ResourceGuardError(
+            "this Lightning version has no `fit_loop._data_source`; resource_guard cannot re-batch the "
+            "train dataloader. Please report it with your Lightning version."
+        )
+
+    class _Transformed(_DataLoaderSource):
+        def dataloader(self) -> Any:
+            return transform(super().dataloader())
+
+    loop._data_source = _Transformed(original.instance, original.name)
+
+    def undo() -> None:
+        loop._data_source = original
+
+    return undo
+
+
+def process_train_loader(trainer: pl.Trainer, loader: Any) -> Any:
+    """What the fit loop does to a train dataloader before iterating it: the ``DistributedSampler``
+    injection under DDP, the strategy's ``process_dataloader``, the workers' seeding. Private:
+    ``trainer.connectors.data_connector._process_dataloader``."""
+    from lightning.pytorch.trainer.connectors.data_connector import _process_dataloader
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+
+    return _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.TRAINING, loader)
+
+
 LIGHTNING_INTERNALS = {
     "data_from_module": "Trainer.fit_loop._data_source.is_module()",
     "drop_train_dataloader": "Trainer.fit_loop._combined_loader",
     "before_batch_transfer": "LightningModule._on_before_batch_transfer",
+    "transform_train_source": "Trainer.fit_loop._data_source (a data_connector._DataLoaderSource)",
+    "process_train_loader": "lightning.pytorch.trainer.connectors.data_connector._process_dataloader",
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -220,6 +259,7 @@ def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Any
 def loader_info(trainer: pl.Trainer) -> dict[str, Any]:
     """num_workers / pin_memory / persistent_workers / prefetch_factor of the train DataLoader."""
     loader = trainer.train_dataloader
+    loader = getattr(loader, "loader", loader)  # inside a lightning_rebatch.ReBatchedLoader
     if not isinstance(loader, DataLoader):
         return {}
     keys = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
@@ -353,12 +393,16 @@ class Applied:
         self.accumulation: int | None = None
         self.precision_plugin: Precision | None = None
         self.checkpoint_handle: Any = None
+        self.rebatched: Any = None  # a lightning_rebatch.ReBatched
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Put the Trainer, module and datamodule back as they were before the plan was applied."""
         handle, self.checkpoint_handle = self.checkpoint_handle, None
         if handle is not None:
             handle.remove()
+        rebatched, self.rebatched = self.rebatched, None
+        if rebatched is not None:
+            rebatched.remove(trainer)
         if self.batch_size_changed:
             self.batch_size_changed = False
             lightning_setattr(pl_module, BATCH_ATTR, self.batch_size)
@@ -377,26 +421,10 @@ def precision_plugin_for(name: str, device_type: str) -> Precision:
     return Precision()
 
 
-def check_batch_size_change(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, current: int | None, micro: int
-) -> None:
-    """Refuse, with the remedy, a set-up whose batch size cannot be changed to ``micro``."""
-    if current == micro:
-        return
-    if not data_from_module(trainer):
-        raise ConfigurationError(
-            f"the plan needs micro-batch size {micro} (the train loader has {current}), but the dataloaders "
-            "were passed to `trainer.fit(...)` directly and cannot be rebuilt. Move the DataLoader into "
-            "`train_dataloader()` of a LightningDataModule (or the LightningModule) that reads "
-            "`self.batch_size`, or pass `ResourceGuard(target_batch_size=...)` with a target the loader "
-            "already yields and enough memory, or remove the callback."
-        )
-    if not lightning_hasattr(pl_module, BATCH_ATTR):
-        raise ConfigurationError(
-            f"the plan needs micro-batch size {micro} (the train loader has {current}), but neither the "
-            "LightningModule nor the DataModule (nor their hparams) has a `batch_size` attribute to set. Add "
-            "`self.batch_size` and build the train DataLoader with `batch_size=self.batch_size`."
-        )
+def can_rebuild(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether the train loader comes from ``train_dataloader()`` of a module or datamodule with a
+    ``batch_size`` attribute to set (the first choice for a new micro-batch size)."""
+    return data_from_module(trainer) and bool(lightning_hasattr(pl_module, BATCH_ATTR))
 
 
 def apply_decisions(
@@ -404,16 +432,30 @@ def apply_decisions(
 ) -> Applied:
     """Configure the Trainer as the decisions say: batch size, accumulation, precision, checkpointing.
 
-    Refusals come first, before anything is changed. On a failure half-way, what was changed is undone.
+    A new micro-batch size is set through the module's/datamodule's ``batch_size`` when the train loader is
+    rebuilt from it; otherwise each loader batch runs as micro-batches
+    (:mod:`~resource_guard.frontdoors.lightning_rebatch`). Refusals come first, before anything is
+    changed. On a failure half-way, what was changed is undone.
     """
-    check_batch_size_change(trainer, pl_module, current_batch_size, decisions.micro_batch_size)
+    from resource_guard.frontdoors.lightning_rebatch import parts_for, rebatch
+
+    micro = decisions.micro_batch_size
+    change = current_batch_size != micro
+    rebuild = change and can_rebuild(trainer, pl_module)
+    if change and not rebuild:
+        parts_for(pl_module, current_batch_size, decisions)
     applied = Applied()
     try:
-        if current_batch_size != decisions.micro_batch_size:
+        if rebuild:
             applied.batch_size = lightning_getattr(pl_module, BATCH_ATTR)
             applied.batch_size_changed = True
-            lightning_setattr(pl_module, BATCH_ATTR, decisions.micro_batch_size)
-            _check_rebuilt_loader(trainer, decisions.micro_batch_size)
+            lightning_setattr(pl_module, BATCH_ATTR, micro)
+            if not _rebuilt_loader_took(trainer, micro):  # `batch_size` exists but the loader ignores it
+                applied.batch_size_changed = False
+                lightning_setattr(pl_module, BATCH_ATTR, applied.batch_size)
+                rebuild = False
+        if change and not rebuild:
+            applied.rebatched = rebatch(trainer, pl_module, current_batch_size, decisions)
         if trainer.accumulate_grad_batches != decisions.accumulation_steps:
             applied.accumulation = trainer.accumulate_grad_batches
             trainer.accumulate_grad_batches = decisions.accumulation_steps
@@ -431,17 +473,13 @@ def apply_decisions(
     return applied
 
 
-def _check_rebuilt_loader(trainer: pl.Trainer, micro: int) -> None:
-    """Rebuild the train loader with the new ``batch_size`` and check that it took; then drop it again
-    so the fit loop builds its own after the checkpoint (if any) is restored."""
+def _rebuilt_loader_took(trainer: pl.Trainer, micro: int) -> bool:
+    """Rebuild the train loader with the new ``batch_size``: whether it took; then drop it again so the
+    fit loop builds its own after the checkpoint (if any) is restored."""
     with isolate_rng(include_cuda=False):  # loaders seed from the CPU generator; no CUDA context
         drop_train_dataloader(trainer)
         trainer.fit_loop.setup_data()
         loader = trainer.train_dataloader
         drop_train_dataloader(trainer)
     got = loader.batch_size if isinstance(loader, DataLoader) else None
-    if got is not None and got != micro:
-        raise ConfigurationError(
-            f"after setting `batch_size={micro}` the rebuilt train DataLoader still has batch_size={got}: "
-            "build it in `train_dataloader()` with `batch_size=self.batch_size`."
-        )
+    return got is None or got == micro

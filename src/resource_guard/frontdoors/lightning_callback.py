@@ -4,7 +4,8 @@ Before the first training step it takes one real batch from the train dataloader
 ``training_step`` + backward + optimizer step of the LightningModule on fake tensors, and plans
 precision, activation checkpointing, micro-batch size and gradient accumulation. It then configures
 the Trainer the way a user would by hand (``accumulate_grad_batches``, the ``batch_size`` attribute of
-the module or datamodule with the train dataloader rebuilt, Lightning's precision plugin,
+the module or datamodule with the train dataloader rebuilt, or else each loader batch run as
+micro-batches (:mod:`~resource_guard.frontdoors.lightning_rebatch`), Lightning's precision plugin,
 checkpointing on the module), or stops with the full report before any step when nothing fits. While
 training, it monitors where the time goes (:class:`~resource_guard.RunMonitor`).
 

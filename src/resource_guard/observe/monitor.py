@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.observe.dynamo import compile_counters
 from resource_guard.observe.growth import MemoryWatch, batch_signature, cpu_allocated_bytes
 from resource_guard.observe.oom import OomEvent, is_oom, memory_history
 from resource_guard.observe.outputs import MonitorOutputs, console_summary
@@ -53,8 +54,9 @@ from resource_guard.observe.phases import PhaseClock
 from resource_guard.observe.profiling import ProfileWindow, StepProfiler
 from resource_guard.observe.sampler import Sampler, reset_peak_rss
 from resource_guard.observe.stats import METRIC_KEYS
+from resource_guard.observe.threads import local_processes, thread_demand
 from resource_guard.observe.throughput import StepTimer, batch_counts, count_flops
-from resource_guard.report.findings import Report, analyze
+from resource_guard.report.findings import Report, analyze, available_cores
 from resource_guard.report.tensorboard import TBLog
 from resource_guard.step.training import iter_tensors
 
@@ -253,10 +255,22 @@ class RunMonitor(MonitorOutputs):
             self._guard("profiler", self._profiler.start, off="_profiler")
         self._rss_reset = not self._cuda and reset_peak_rss()
         self._guard("memory growth", self._watch_memory)
+        self._guard("thread and compile figures", self._read_settings)
         now = _clock()
         if self.phase_timing:
             self.phases = PhaseClock(now, _clock)
         self._timer = StepTimer(now)
+
+    def _read_settings(self) -> None:
+        """Threads against cores, and dynamo's counters (the difference is taken at close)."""
+        workers = self.loader_info.get("num_workers")
+        self._threads = thread_demand(
+            intra_op=torch.get_num_threads(),
+            processes=local_processes(self.world_size),
+            workers=workers if isinstance(workers, int) else 0,
+            cores=available_cores(),
+        )
+        self._compile_start = compile_counters()
 
     def _watch_memory(self) -> None:
         """Allocated memory at step ends, for the ``memory-growth`` finding (:mod:`.growth`)."""

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from resource_guard.observe.growth import MemoryWatch
     from resource_guard.observe.profiling import ProfileSummary
     from resource_guard.observe.sampler import Sampler
+    from resource_guard.observe.threads import ThreadDemand
     from resource_guard.observe.throughput import StepTimer
     from resource_guard.report.tensorboard import TBLog
 
@@ -84,6 +86,11 @@ class MonitorOutputs:
     planned_capacity_bytes: int | None
     precision: str | None
     loader_info: dict[str, Any]
+    _threads: ThreadDemand | None = None  # read at start
+    _hwm_read_at: float = -math.inf  # when VmHWM was last read (time.monotonic)
+    _closed: bool
+    interval_s: float
+    _compile_start: Any = None  # dynamo's counters at start
 
     @property
     def _files_dir(self) -> Path | None:  # the monitor's: where report and OOM files go
@@ -193,6 +200,9 @@ class MonitorOutputs:
                 "optimizer facts", lambda: tuple(describe_optimizer(o) for o in self.optimizers)
             )
             stats = dataclasses.replace(stats, optimizers=facts or ())
+        threads = self._guard("thread figures", self._thread_figures)
+        compiled = self._guard("compile figures", self._compile_figures)
+        stats = dataclasses.replace(stats, threads=threads, compile=compiled)
         if self.shape_stats is None:  # the front doors' shape guard, when on
             return stats
         return dataclasses.replace(stats, shapes=self._guard("shape stats", self.shape_stats))
@@ -210,6 +220,28 @@ class MonitorOutputs:
         step = stats.step_time_s
         share = means["data_wait"] / step if step else None
         return dataclasses.replace(stats, phases=means, data_wait_s=means["data_wait"], data_wait_share=share)
+
+    def _thread_figures(self) -> dict[str, Any] | None:
+        """The thread demand read at start; when it exceeds the cores, the slowdown it costs, measured
+        now (a fraction of a second, only then)."""
+        from resource_guard.observe.threads import oversubscription_slowdown
+
+        demand = self._threads
+        if demand is None:
+            return None
+        out: dict[str, Any] = demand.to_dict()
+        out["slowdown"] = oversubscription_slowdown(demand) if demand.oversubscribed else None
+        return out
+
+    def _compile_figures(self) -> dict[str, Any] | None:
+        """torch.compile's recompilations, graph breaks and compile time since start (``None``: none)."""
+        from resource_guard.observe.dynamo import compile_counters
+
+        start = self._compile_start
+        if start is None:
+            return None
+        delta = compile_counters().since(start)
+        return delta.to_dict() if delta.frames or delta.graph_breaks or delta.recompiles else None
 
     def _memory_growth(self) -> dict[str, Any] | None:
         trend = self._guard("memory growth", self._memory.trend) if self._memory is not None else None
@@ -265,10 +297,19 @@ class MonitorOutputs:
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return float(peak)
-        hwm = peak_rss_bytes() if self._rss_reset else None
-        if hwm is not None:
-            self._rss_reset = reset_peak_rss()
-            return float(hwm)
+        if self._rss_reset:
+            # reading and resetting VmHWM costs a few hundred us (the kernel walks the page tables):
+            # at most once per sampling interval, and always at close; a high-water mark read later
+            # still holds this interval's peak, so the run's peak is exact
+            now = time.monotonic()
+            if now - self._hwm_read_at < self.interval_s and not self._closed:
+                sampled = gauges.get("host/process_rss_bytes")
+                return None if sampled is None else sampled[1]
+            hwm = peak_rss_bytes()
+            if hwm is not None:
+                self._hwm_read_at = now
+                self._rss_reset = reset_peak_rss()
+                return float(hwm)
         sampled = gauges.get("host/process_rss_bytes")
         return None if sampled is None else sampled[1]
 

@@ -21,6 +21,8 @@ raised a warning). The thresholds are module constants:
 - memory-growth, fragmentation: memory over time, in :mod:`resource_guard.report.memory_rules`.
 - optimizer-step, host-loop, evaluation, checkpoint-io, logging: where the step's time goes, from
   ``RunStats.phases``, in :mod:`resource_guard.report.phase_rules` (with their thresholds).
+- casts, host-sync, threads, recompiles, comm-bound: op-level causes, in
+  :mod:`resource_guard.report.op_rules`.
 
 The rules are re-exported from :mod:`resource_guard.report.findings`.
 """
@@ -32,6 +34,7 @@ from typing import Any
 
 from resource_guard.devices import format_bytes
 from resource_guard.report.memory_rules import rule_fragmentation, rule_memory_growth
+from resource_guard.report.op_rules import OP_RULES
 from resource_guard.report.phase_rules import MIN_GAIN_SHARE, PHASE_RULES, faster_text
 from resource_guard.report.shape_findings import rule_shapes
 from resource_guard.report.types import Finding, RunStats
@@ -322,4 +325,5 @@ RULES: tuple[Callable[[RunStats], Finding | None], ...] = (
     rule_estimate_drift,
     rule_memory_growth,
     rule_fragmentation,
+    *OP_RULES,
 )

@@ -1,14 +1,18 @@
 """Batch arithmetic: slicing a batch into micro-batches, resizing a sample batch, divisors.
 
-A batch is any nesting of tensors in mappings, lists, tuples, namedtuples and dataclasses (as in
-:func:`resource_guard.step.training.map_tensors`); every tensor with at least one dimension is cut along
-dim 0, other leaves (ints, strings, 0-d tensors) are kept as they are.
+A batch is any nesting of tensors in mappings (a Hugging Face ``BatchEncoding`` included), lists,
+tuples, namedtuples and dataclasses (as in :func:`resource_guard.step.training.map_tensors`); every
+tensor with at least one dimension is cut along dim 0; a list or tuple of non-tensor values as long as
+the batch (one string per row, say) is cut too; other leaves (ints, strings, 0-d tensors) are kept as
+they are, in every piece.
 
 Example:
     >>> import torch
     >>> batch = {"x": torch.arange(6).reshape(6, 1), "y": torch.arange(6)}
     >>> slice_batch(batch, 2, 4)["y"].tolist()
     [2, 3]
+    >>> [piece["y"].tolist() for piece in split_batch(batch, parts=4)]
+    [[0, 1], [2, 3], [4], [5]]
     >>> resize_batch(batch, 8)["y"].tolist()
     [0, 1, 2, 3, 4, 5, 0, 1]
     >>> divisors(12)
@@ -17,15 +21,17 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.step.training import batch_size_of, iter_tensors, map_tensors
+from resource_guard.step.training import batch_size_of, map_tensors
 
-__all__ = ["slice_batch", "split_batch", "resize_batch", "divisors", "SHADOW_MAX_NUMEL"]
+__all__ = ["slice_batch", "split_batch", "even_bounds", "resize_batch", "divisors", "SHADOW_MAX_NUMEL"]
 
 # Batch-derived values are computed for real up to this many elements per tensor (the estimator's
 # shadow values: attention masks, ignored labels); larger tensors of a resized batch are made on the
@@ -36,34 +42,133 @@ SHADOW_MAX_NUMEL = 1 << 22
 def _leading_size(batch: Any, who: str) -> int:
     size = batch_size_of(batch)
     if size is None:
-        sizes = sorted({t.shape[0] for t in iter_tensors(batch) if t.dim() > 0})
+        rows = _rows_by_leaf(batch)
+        if not rows:
+            raise ConfigurationError(f"`{who}`: the batch has no tensor with a dimension to cut along.")
+        sizes = [n for _, n in rows]
+        common = max(set(sizes), key=sizes.count)
+        odd = ", ".join(f"{path} has {n}" for path, n in rows if n != common)
         raise ConfigurationError(
-            f"`{who}`: cannot tell the batch size: the batch's tensors have leading dimensions {sizes} "
-            "(every tensor with a dimension must share its first one)."
+            f"`{who}`: cannot cut the batch into rows, its tensors' leading dimensions differ: most "
+            f"have {common} rows, but {odd} (every tensor with a dimension must share its first one)."
         )
     return size
 
 
+def _rows_by_leaf(obj: Any, path: str = "batch") -> list[tuple[str, int]]:
+    """``(path, rows)`` of every tensor with a dimension in ``obj``, the path written as Python."""
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj.shape[0])] if obj.dim() > 0 else []
+    found: list[tuple[str, int]] = []
+    for key, value in _children(obj):
+        found += _rows_by_leaf(value, f"{path}{key}")
+    return found
+
+
+def _children(obj: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, Mapping):
+        yield from ((f"[{k!r}]", v) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple)):
+        yield from ((f"[{i}]", v) for i, v in enumerate(obj))
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        yield from ((f".{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj))
+
+
+def _is_row_list(obj: Any, size: int) -> bool:
+    """A plain list/tuple of per-row values: as long as the batch and holding no tensor."""
+    return (
+        isinstance(obj, (list, tuple))
+        and not hasattr(obj, "_fields")
+        and len(obj) == size
+        and not any(isinstance(v, torch.Tensor) or _rows_by_leaf(v) for v in obj)
+    )
+
+
+def _cut(obj: Any, start: int, stop: int, size: int) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj[start:stop] if obj.dim() > 0 else obj
+    if _is_row_list(obj, size):
+        return obj[start:stop]
+    if isinstance(obj, Mapping):
+        items = {k: _cut(v, start, stop, size) for k, v in obj.items()}
+        try:
+            return type(obj)(items)  # type: ignore[call-arg]
+        except TypeError:
+            return items
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_cut(v, start, stop, size) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cut(v, start, stop, size) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {
+            f.name: _cut(getattr(obj, f.name), start, stop, size) for f in dataclasses.fields(obj) if f.init
+        }
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` (dim 0) of every tensor in ``batch``; views, no copy.
+    """Rows ``start:stop`` (dim 0) of every tensor in ``batch`` (views, no copy), and of every per-row
+    list; other leaves are kept whole.
 
     Raises:
-        ConfigurationError: the batch has no common leading dimension, or the range is empty or outside it.
+        ConfigurationError: the batch has no common leading dimension (the message names the tensors that
+            differ), or the range is empty or outside it.
     """
     size = _leading_size(batch, f"slice_batch(batch, {start!r}, {stop!r})")
     if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= size):
         raise ConfigurationError(
             f"`slice_batch(batch, {start!r}, {stop!r})`: need 0 <= start < stop <= {size} (the batch size)."
         )
-    return map_tensors(lambda t: t[start:stop] if t.dim() > 0 else t, batch)
+    return _cut(batch, start, stop, size)
 
 
-def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
-    """Consecutive micro-batches of ``micro_batch_size`` rows (the last one may be smaller)."""
-    size = _leading_size(batch, "split_batch")
-    if not (isinstance(micro_batch_size, int) and micro_batch_size >= 1):
+def even_bounds(size: int, parts: int) -> list[tuple[int, int]]:
+    """``min(parts, size)`` consecutive ``(start, stop)`` ranges covering ``range(size)``, their lengths
+    differing by at most one (the longer ones first).
+
+    Example:
+        >>> even_bounds(10, 4)
+        [(0, 3), (3, 6), (6, 8), (8, 10)]
+    """
+    count = min(parts, size)
+    if count < 1:
+        return []
+    base, extra = divmod(size, count)
+    bounds, start = [], 0
+    for i in range(count):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def split_batch(batch: Any, micro_batch_size: int | None = None, *, parts: int | None = None) -> list[Any]:
+    """The batch as consecutive micro-batches, in order: of ``micro_batch_size`` rows (the last one may be
+    smaller), or ``parts`` pieces as even as possible (fewer when the batch has fewer rows).
+
+    Raises:
+        ConfigurationError: not exactly one of the two sizes given, or not a positive int; the batch has
+            no common leading dimension (the message names the tensors that differ).
+    """
+
+    def positive(n: Any) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+    if (micro_batch_size is None) == (parts is None):
+        raise ConfigurationError(
+            f"`split_batch(micro_batch_size={micro_batch_size!r}, parts={parts!r})`: give exactly one."
+        )
+    if micro_batch_size is not None and not positive(micro_batch_size):
         raise ConfigurationError(f"`split_batch(micro_batch_size={micro_batch_size!r})` must be an int >= 1.")
-    return [slice_batch(batch, i, min(i + micro_batch_size, size)) for i in range(0, size, micro_batch_size)]
+    if parts is not None and not positive(parts):
+        raise ConfigurationError(f"`split_batch(parts={parts!r})` must be an int >= 1.")
+    size = _leading_size(batch, "split_batch")
+    if parts is not None:
+        return [_cut(batch, lo, hi, size) for lo, hi in even_bounds(size, parts)]
+    assert micro_batch_size is not None
+    step = micro_batch_size
+    return [_cut(batch, i, min(i + step, size), size) for i in range(0, size, step)]
 
 
 def resize_batch(batch: Any, size: int, *, meta_above: int = SHADOW_MAX_NUMEL) -> Any:

@@ -315,7 +315,13 @@ def device_fit(
         # an extrapolated estimate's events are its shallow sample's: its timeline stands for the model
         if events and getattr(estimate, "allocator_overhead", None) is None:
             grads = getattr(estimate, "gradient_allocations", ())
-            later_initial, later_events = later_step(events, initial, grads)
+            sparse = dict(getattr(estimate, "sparse_gradient_allocations", ()))
+            later_initial, later_events = later_step(events, initial, grads, sparse)
+            if sparse:
+                notes.append(
+                    "sparse gradients grow with each micro-step (old and new rows concatenated): the "
+                    "second micro-step's figures; the k-th holds k times the rows"
+                )
             traced_peak += running_peak(later_initial, later_events) - running_peak(initial, events)
             events, initial = later_events, later_initial
         else:

@@ -12,10 +12,12 @@ one and frees (``AccumulateGrad``: ``variable_grad += new_grad`` when grad mode 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 __all__ = ["later_peak_from_timeline", "later_step", "running_peak"]
+
+_GROWN = 1 << 40  # ids of a sparse gradient's concatenation: apart from the temporaries' (-1, -2, ...)
 
 
 def _trailing_frees(events: Sequence[tuple[int, int]]) -> int:
@@ -38,6 +40,7 @@ def later_step(
     events: Sequence[tuple[int, int]],
     initial: Sequence[tuple[int, int]] = (),
     gradients: Collection[tuple[int, int]] = (),
+    sparse: Mapping[int, int] | None = None,
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """``(initial, events)`` of a later step that starts with the step's gradients allocated.
 
@@ -48,6 +51,12 @@ def later_step(
     birth becomes a temporary of its size (the new gradient), freed where the trace accumulated it into
     ``.grad`` (after event ``n``: a weight used several times sums its contributions first), or at once
     where that is not known.
+
+    A sparse gradient (``sparse``: the id of its values -> the bytes its accumulation allocates) is
+    not added into in place: ``sparse += sparse`` concatenates the old rows and the new into new
+    indices and values and frees the old (``add_out_sparse_cpu``, ``add_out_sparse_cuda``). Where it is
+    accumulated, those bytes are allocated and the kept gradient freed; they live to the end. Each
+    micro-step adds its rows again: the figures are the second micro-step's.
 
     Example (storage 0 a parameter, 1 an activation, 2 and 3 gradients freed by ``zero_grad``):
         >>> later_step([(1, 64), (2, 32), (1, -64), (3, 16), (2, -32), (3, -16)], [(0, 8)])
@@ -64,6 +73,8 @@ def later_step(
     out: list[tuple[int, int]] = []
     later: dict[int, list[tuple[int, int]]] = {}  # event count -> the new gradients added in then
     temp = 0
+    grown = {uid: n for uid, n in (sparse or {}).items() if uid in kept}
+    tail: list[tuple[int, int]] = []
     for i, (uid, delta) in enumerate(events):
         if uid not in kept:
             out.append((uid, delta))
@@ -71,14 +82,18 @@ def later_step(
             temp -= 1
             out.append((temp, delta))
             n = ready.get(uid, -1)
+            done = [(temp, -delta)]
+            if uid in grown:  # a sparse gradient: the concatenation replaces the kept one
+                done = [(temp - _GROWN, grown[uid]), (uid, -kept[uid]), *done]
+                tail.append((temp - _GROWN, -grown[uid]))
             if n > i + 1:
-                later.setdefault(n, []).append((temp, -delta))
+                later.setdefault(n, []).extend(done)
             else:
-                out.append((temp, -delta))
+                out.extend(done)
         out += later.pop(i + 1, [])
     for rest in later.values():
         out += rest
-    return [*initial, *kept.items()], out
+    return [*initial, *kept.items()], out + tail
 
 
 def later_peak_from_timeline(estimate: Any) -> int:

@@ -15,6 +15,7 @@ from torch import nn
 
 from resource_guard.estimate.host.quiet import quiet_profile
 from resource_guard.estimate.trace.attached import attached_tensors
+from resource_guard.estimate.trace.sparse import is_sparse, sparse_parts
 from resource_guard.step.precision import autocast_context, parse_precision
 from resource_guard.step.training import LossFn, call_loss_fn, iter_tensors, training_step
 
@@ -41,7 +42,7 @@ class MeasuredStep:
 def live_bytes(*objects: Any) -> int:
     """Bytes of the distinct storages behind the tensors in ``objects`` (modules, optimizers, batches);
     a module's include the tensors it holds outside its parameters and buffers; of a DTensor, this
-    rank's local shard."""
+    rank's local shard; of a sparse tensor (a sparse gradient), its indices and values."""
     seen: dict[int, int] = {}
     for obj in objects:
         if isinstance(obj, nn.Module):
@@ -52,13 +53,27 @@ def live_bytes(*objects: Any) -> int:
             tensors = [v for st in obj.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         else:
             tensors = iter_tensors(obj)
-        for t in tensors:
+        for t in [p for whole in tensors for p in (sparse_parts(whole) if is_sparse(whole) else (whole,))]:
             to_local = getattr(t, "to_local", None)
             if callable(to_local):  # a DTensor (FSDP2): this rank's shard
                 t = to_local()
             st = t.untyped_storage()
             seen[st.data_ptr() or id(st)] = st.nbytes()
     return sum(seen.values())
+
+
+_MARK = "resource_guard::measured_step"
+
+
+def _mark_time_ns(prof: torch.profiler.profile) -> int:
+    """When the record ``_MARK`` began: where the measured step starts in a longer profile."""
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while stack:
+        node = stack.pop()
+        if node.name == _MARK:
+            return int(node.start_time_ns)
+        stack.extend(node.children)
+    raise RuntimeError(f"the profile holds no {_MARK!r} record")
 
 
 def allocation_deltas(prof: torch.profiler.profile) -> list[tuple[int, int]]:
@@ -115,15 +130,34 @@ def measure_training_step(
     model.train()
     for _ in range(warmup_steps):
         training_step(model, optimizer, batch, loss_fn, spec, "cpu", loss_scale=scale)
-    if gradients_kept:  # an earlier micro-step: forward and backward, no optimizer step
+
+    def earlier_micro_step() -> None:  # forward and backward, no optimizer step
         with autocast_context(spec, "cpu"):
             loss = call_loss_fn(model, batch, loss_fn)
         (loss.float() * scale if scale is not None else loss).backward()
         del loss
+
+    # a sparse gradient is replaced, not added into, by the next accumulation: the profiler reports
+    # the free of its old storage only if it saw it allocated, so that micro-step runs profiled too
+    sparse = gradients_kept and any(
+        isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse for m in model.modules()
+    )
+    if gradients_kept and not sparse:
+        earlier_micro_step()
     gc.collect()
     start = live_bytes(model, optimizer, batch)
     with quiet_profile() as prof:
+        if sparse:
+            earlier_micro_step()
+            gc.collect()
+            with torch.profiler.record_function(_MARK):
+                pass
         training_step(model, optimizer, batch, loss_fn, spec, "cpu", loss_scale=scale)
     deltas = allocation_deltas(prof)
+    if sparse:
+        mark = _mark_time_ns(prof)
+        before = sum(d for t, d in deltas if t < mark)
+        deltas = [(t, d) for t, d in deltas if t >= mark]
+        start += before
     peak = peak_of(deltas)
     return MeasuredStep(start + peak, start, peak, sum(1 for _, s in deltas if s > 0))

@@ -185,10 +185,28 @@ class FakeStep:
             trainable = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
             if trainable and all(p in opt.state and opt.state[p] for p in trainable):
                 continue
-            for p in trainable:
-                p.grad = torch.zeros_like(p)
+            sparse = _sparse_gradient_params(self.model)
+            for p in trainable:  # a sparse layer's gradient is sparse (SparseAdam takes no other)
+                p.grad = _empty_sparse_like(p) if id(p) in sparse else torch.zeros_like(p)
             opt.step()
             opt.zero_grad(set_to_none=True)
+
+
+def _sparse_gradient_params(model: nn.Module) -> set[int]:
+    """``id`` of the parameters whose gradient is sparse: ``Embedding``/``EmbeddingBag(sparse=True)``."""
+    return {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+        for p in m.parameters(recurse=False)
+    }
+
+
+def _empty_sparse_like(p: torch.Tensor) -> torch.Tensor:
+    """A sparse COO gradient of ``p`` with no rows (the optimizer's state is made, nothing updated)."""
+    indices = torch.empty((1, 0), dtype=torch.int64)
+    values = torch.empty((0, *p.shape[1:]), dtype=p.dtype)
+    return torch.sparse_coo_tensor(indices, values, p.shape)
 
 
 @dataclass

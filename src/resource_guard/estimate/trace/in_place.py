@@ -87,7 +87,7 @@ def has_in_place_variant(func: Any) -> bool:
 
 def accumulates(old: torch.Tensor, new: Any) -> bool:
     """Whether a backward ``old + new`` may be autograd's gradient accumulation, in place for real."""
-    if not isinstance(new, torch.Tensor):
+    if not isinstance(new, torch.Tensor) or old.layout != torch.strided or new.layout != torch.strided:
         return False
     if old.shape != new.shape or old.dtype != new.dtype or old._base is not None:
         return False

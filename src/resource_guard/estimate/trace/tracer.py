@@ -47,6 +47,7 @@ from resource_guard.estimate.trace.in_place import (
     merge_events,
 )
 from resource_guard.estimate.trace.recovery import Recovery
+from resource_guard.estimate.trace.sparse import SparseOps, is_sparse, sparse_parts
 from resource_guard.step.batching import SHADOW_MAX_NUMEL
 
 __all__ = ["CATEGORIES", "PeakRecord", "SHADOW_MAX_NUMEL", "StorageTracker"]
@@ -124,6 +125,8 @@ class StorageTracker(TorchDispatchMode):
             kernel allocates and frees inside the operator, and its true output sizes.
         record_timeline: keep the live total by category after every operator.
         composite: the custom operators to run through their composite kernel (``None``: none).
+        sparse: the operators that make sparse tensors, run as the target's kernels
+            (:mod:`~resource_guard.estimate.trace.sparse`; ``None``: their fake rules).
     """
 
     def __init__(
@@ -132,10 +135,12 @@ class StorageTracker(TorchDispatchMode):
         *,
         record_timeline: bool = True,
         composite: CompositeOps | None = None,
+        sparse: SparseOps | None = None,
     ) -> None:
         super().__init__()
         self._kernel_extra = kernel_extra
         self.composite = composite
+        self.sparse = sparse
         self._live: dict[int, list[Any]] = {}  # id(storage) -> [nbytes, category, uid]
         self._uids = itertools.count()
         self.totals = dict.fromkeys(CATEGORIES, 0)
@@ -143,6 +148,10 @@ class StorageTracker(TorchDispatchMode):
         self.phase = "setup"
         self.gradient_uids: tuple[tuple[int, int], ...] = ()  # (uid, events recorded when accumulated)
         self._gradient_ready: dict[int, int] = {}
+        self._sparse_gradients: dict[
+            int, int
+        ] = {}  # uid of a sparse gradient's values -> next accumulation's bytes
+        self.sparse_gradient_uids: tuple[tuple[int, int], ...] = ()
         self.recording = False
         self.peaks: dict[str, PeakRecord] = {}
         self.events: list[tuple[int, int]] = []  # (uid, +nbytes alloc | -nbytes free)
@@ -161,8 +170,21 @@ class StorageTracker(TorchDispatchMode):
         """Register ``t``'s storage (if new) under ``category`` (default: the phase's category).
 
         ``nbytes`` overrides the storage's size where the real kernel's output is larger than the
-        fake one (see ``_kernels``).
+        fake one (see ``_kernels``). A sparse tensor is tracked by its parts (indices, values); a part
+        that is the batch's, a parameter's or the optimizer's (a gradient's indices viewing the batch's)
+        keeps its category.
         """
+        if is_sparse(t):
+            with _disable_current_modes():  # its parts, without an operator of the trace
+                parts = sparse_parts(t)
+            for part in parts:
+                st = _storage(part)
+                entry = self._live.get(id(st)) if st is not None else None
+                owned = entry is None or entry[1] in ("activations", "temporaries", "gradients")
+                self.track(part, category if owned else None)
+            if category == "gradients" and t.layout == torch.sparse_coo:
+                self._note_sparse_gradient(parts[1], t.sparse_dim())
+            return
         st = _storage(t)
         if st is None:
             return
@@ -185,6 +207,17 @@ class StorageTracker(TorchDispatchMode):
         if self.recording:
             self.events.append((uid, nbytes))
         weakref.finalize(st, self._free, key, uid)
+
+    def _note_sparse_gradient(self, values: torch.Tensor, sparse_dim: int) -> None:
+        """A sparse gradient: the next micro-step's accumulation concatenates the old rows and the new
+        (``sparse += sparse``; :mod:`~resource_guard.estimate.trace.sparse`), allocating both again."""
+        st = _storage(values)
+        entry = self._live.get(id(st)) if st is not None else None
+        if entry is None or entry[1] != "gradients":
+            return
+        rows = values.shape[0] if values.dim() else 0
+        row_bytes = values[0].numel() * values.element_size() if rows else 0
+        self._sparse_gradients[entry[2]] = 2 * rows * (row_bytes + 8 * sparse_dim)
 
     def live_storages(self) -> tuple[tuple[int, int], ...]:
         """``(id, bytes)`` of every live tracked storage."""
@@ -226,6 +259,9 @@ class StorageTracker(TorchDispatchMode):
             ready = self._gradient_ready
             grads = [uid for _, cat, uid in self._live.values() if cat == "gradients"]
             self.gradient_uids = tuple((self._alias.get(uid, uid), ready.get(uid, -1)) for uid in grads)
+            self.sparse_gradient_uids = tuple(
+                (self._alias.get(uid, uid), n) for uid, n in self._sparse_gradients.items() if uid in grads
+            )
         self._observe(phase, "<start>", 0)
 
     def _settle(self) -> None:
@@ -322,7 +358,9 @@ class StorageTracker(TorchDispatchMode):
         if real is None and _constant_factory(func, args, kwargs):
             real = (args, kwargs)  # a small constant made in the step (``torch.ones`` mask): its value
         ran, out = False, None
-        if self.composite is not None:
+        if self.sparse is not None and self.sparse.handles(func):
+            ran, out = self.sparse.run(func, self, args, kwargs, phase=self.phase)
+        if not ran and self.composite is not None:
             ran, out = self.composite.run(func, self, args, kwargs, in_forward=self.phase == "forward")
         try:
             out = out if ran else func(*args, **kwargs)

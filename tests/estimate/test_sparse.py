@@ -1,0 +1,155 @@
+"""Sparse gradients (issue 31): ``Embedding``/``EmbeddingBag(sparse=True)`` with SGD, Adagrad and
+SparseAdam, estimated against a real CPU step, and the rules of
+:mod:`resource_guard.estimate.trace.sparse` that do not need one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from cpu_reference import measure_reference
+from resource_guard import estimate_memory
+from resource_guard.estimate.trace.sparse import SparseOps, is_sparse, sparse_parts
+
+
+class Recommender(nn.Module):
+    """Sparse tables (pooled bags or plain embeddings summed per sample) beside a dense MLP."""
+
+    def __init__(self, rows: tuple[int, ...], dim: int, mode: str = "sum", bags: bool = True) -> None:
+        super().__init__()
+        self.bags = bags
+        table = (
+            (lambda r: nn.EmbeddingBag(r, dim, mode=mode, sparse=True))
+            if bags
+            else (lambda r: nn.Embedding(r, dim, sparse=True))
+        )
+        self.tables = nn.ModuleList(table(r) for r in rows)
+        self.dense = nn.Sequential(nn.Linear(13, 64), nn.ReLU(), nn.Linear(64, dim))
+        self.top = nn.Linear(dim * (len(rows) + 1), 1)
+
+    def forward(self, dense: torch.Tensor, idx: list[torch.Tensor], offsets: list[torch.Tensor],
+                y: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        d = self.dense(dense)
+        if self.bags:
+            e = [t(i, o) for t, i, o in zip(self.tables, idx, offsets)]
+        else:
+            e = [t(i.view(d.shape[0], -1)).sum(1) for t, i in zip(self.tables, idx)]
+        z = self.top(torch.cat([d, *e], 1)).squeeze(1)
+        return nn.functional.binary_cross_entropy_with_logits(z, y)
+
+
+def _loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    return model(*batch)
+
+
+def _build(rows: tuple[int, ...], dim: int, mode: str, optimizer: str, *, bags: bool = True,
+           hot: int | None = None, batch: int = 128, per_bag: int = 8) -> tuple:  # fmt: skip
+    torch.manual_seed(0)
+    model = Recommender(rows, dim, mode, bags)
+    g = torch.Generator().manual_seed(1)
+    idx = [torch.randint(0, hot or r, (batch * per_bag,), generator=g) for r in rows]
+    offsets = [torch.arange(0, batch * per_bag, per_bag) for _ in rows]
+    data = (torch.randn(batch, 13, generator=g), idx, offsets, torch.rand(batch, generator=g))
+    if optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    elif optimizer == "adagrad":
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    else:  # SparseAdam takes the sparse tables only
+        opt = torch.optim.SparseAdam(list(model.tables.parameters()), lr=1e-3)
+    return model, opt, data
+
+
+CASES = {
+    "bag-sum/sgd (4 tables)": dict(rows=(20000, 10000, 5000, 2000), dim=64, mode="sum", optimizer="sgd"),
+    "bag-mean/adagrad": dict(rows=(20000, 5000), dim=32, mode="mean", optimizer="adagrad", hot=300),
+    "embedding/sgd": dict(rows=(20000, 5000), dim=32, mode="sum", optimizer="sgd", bags=False),
+    "embedding/sparse-adam": dict(
+        rows=(20000, 5000), dim=32, mode="sum", optimizer="sparse_adam", bags=False
+    ),
+    "bag-sum/sparse-adam": dict(rows=(20000, 5000), dim=32, mode="sum", optimizer="sparse_adam", hot=3000),
+}
+
+
+@pytest.mark.cpu_reference
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sparse_gradients_match_a_real_cpu_step(name: str) -> None:
+    model, opt, batch = _build(**CASES[name])
+    est = estimate_memory(model, opt, batch, _loss, device="cpu")
+    assert est.method == "traced"
+    real = measure_reference(est, *_build(**CASES[name]), _loss)
+    error = (est.peak_bytes - real.peak_bytes) / real.peak_bytes
+    assert 0 <= error <= 0.01, f"{name}: estimate {est.peak_bytes} vs real {real.peak_bytes} ({error:+.2%})"
+
+
+@pytest.mark.cpu_reference
+def test_a_later_micro_step_counts_the_concatenated_sparse_gradient() -> None:
+    case = CASES["bag-mean/adagrad"]
+    model, opt, batch = _build(**case)
+    est = estimate_memory(model, opt, batch, _loss, device="cpu")
+    later = est.for_device("cpu", gradients_kept=True)
+    assert any("sparse gradients grow" in note for note in later.notes)
+    real = measure_reference(est, *_build(**case), _loss, gradients_kept=True)
+    error = (later.allocated_peak_bytes - real.peak_bytes) / real.peak_bytes
+    assert 0 <= error <= 0.01, (
+        f"later micro-step: {later.allocated_peak_bytes} vs {real.peak_bytes} ({error:+.2%})"
+    )
+    assert later.allocated_peak_bytes > est.peak_bytes  # the rows are held twice
+
+
+def test_sparse_gradients_are_counted_as_gradients() -> None:
+    model, opt, batch = _build(rows=(50000,), dim=64, mode="sum", optimizer="sgd", batch=512)
+    est = estimate_memory(model, opt, batch, _loss, device="cpu")
+    values = 512 * 8 * 64 * 4  # one row of values per index
+    assert est.breakdown["gradients"] >= values
+    assert est.peak_phase != "forward"  # the peak is where the sparse gradient exists
+    assert any("sparse tensors counted" in w for w in est.warnings)
+
+
+def test_distinct_rows_come_from_the_batch_and_are_said() -> None:
+    few = estimate_memory(*_build(rows=(20000,), dim=32, mode="sum", optimizer="adagrad", hot=50), _loss,
+                          device="cpu")  # fmt: skip
+    many = estimate_memory(*_build(rows=(20000,), dim=32, mode="sum", optimizer="adagrad"), _loss,
+                           device="cpu")  # fmt: skip
+    assert any("sample batch's own" in w for w in few.warnings)
+    assert few.phase_peak_bytes["optimizer"] < many.phase_peak_bytes["optimizer"]
+
+
+def test_without_the_batch_values_distinct_rows_are_bounded_by_the_indices() -> None:
+    model, opt, (dense, idx, offsets, y) = _build(
+        rows=(20000,), dim=32, mode="sum", optimizer="adagrad", hot=50
+    )
+    known = estimate_memory(model, opt, (dense, idx, offsets, y), _loss, device="cpu")
+    meta = [torch.empty(i.shape, dtype=i.dtype, device="meta") for i in idx]  # values unknown
+    bounded = estimate_memory(model, opt, (dense, meta, offsets, y), _loss, device="cpu")
+    assert any("bounded by the number of indices" in w for w in bounded.warnings)
+    assert bounded.peak_bytes > known.peak_bytes
+
+
+def test_cuda_target_follows_the_cuda_kernels() -> None:
+    """``dense.add_(sparse, alpha=-lr)`` on CUDA makes ``values.mul(alpha)`` (nnz x dim); not on the CPU."""
+    model = nn.EmbeddingBag(100000, 64, mode="sum", sparse=True)
+    idx, offsets = torch.randint(0, 100000, (4096,)), torch.arange(0, 4096, 8)
+
+    def loss(m: nn.Module, b: tuple) -> torch.Tensor:
+        return m(*b).sum()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cpu = estimate_memory(model, opt, (idx, offsets), loss, device="cpu")
+    cuda = estimate_memory(model, opt, (idx, offsets), loss, device="cuda")
+    grown = cuda.phase_peak_bytes["optimizer"] - cpu.phase_peak_bytes["optimizer"]
+    assert grown == 4096 * 64 * 4
+    # and CUDA's forward keeps every index's bag (offset2bag, int64), which the CPU's leaves empty
+    assert cuda.phase_peak_bytes["forward"] - cpu.phase_peak_bytes["forward"] == 4096 * 8
+
+
+def test_sparse_parts_and_handled_operators() -> None:
+    t = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2, 3), (4, 3))
+    assert is_sparse(t) and not is_sparse(torch.ones(2))
+    assert [p.shape for p in sparse_parts(t)] == [torch.Size([1, 2]), torch.Size([2, 3])]
+    csr = torch.eye(3).to_sparse_csr()
+    assert len(sparse_parts(csr)) == 3
+    ops = SparseOps("cpu")
+    assert ops.handles(torch.ops.aten._embedding_bag_backward.default)
+    assert not ops.handles(torch.ops.aten.mm.default)
+    assert ops.notes() == []
