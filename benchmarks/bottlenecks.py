@@ -81,7 +81,7 @@ class Case:
 CASES = (
     Case("input", "input-bound", Loop(slow_sample_s=0.0015)),
     Case("optimizer", "optimizer-step", Loop(many_tensors=True, foreach=False), Loop(many_tensors=True)),
-    Case("host", "host-loop", Loop(host_work=3000)),
+    Case("host", "host-loop", Loop(host_work=40000)),
     Case("evaluation", "evaluation", Loop(eval_every=2)),
     Case("checkpoint", "checkpoint-io", Loop(save_every=1)),
     Case("logging", "logging", Loop(log_scalars=200)),
