@@ -37,6 +37,7 @@ import numpy as np
 
 from resource_guard.devices import format_bytes
 from resource_guard.estimate import CATEGORIES
+from resource_guard.report.types import PHASES
 
 __all__ = [
     "TAG_PREFIX",
@@ -62,6 +63,8 @@ _CHARTS = {
         "memory/reserved_gap_bytes",
     ],
     "allocator retries": ["memory/alloc_retries"],
+    # one chart of the step by phase, seconds per step (observe/phases.py); the parts add up to the step
+    "step time by phase (s)": [f"phase/{p}_s" for p in PHASES],
     "GPU power and clock": ["gpu/power_w", "gpu/temperature_c", "gpu/sm_clock_mhz"],
 }
 _CAPACITY_COLOR = "#dc0000"

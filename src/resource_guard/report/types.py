@@ -243,6 +243,9 @@ class RunStats:
     expandable_segments: bool | None = None
     shapes: Mapping[str, Any] | None = None  # the front doors' shape guard: shapes seen, splits, stops
     phases: Mapping[str, float] | None = None  # mean seconds per step by phase (keys from PHASES)
+    # the optimizers' facts for the optimizer-step rule (observe/optimizer_facts.py): name, tensors,
+    # foreach, fused, for_loop (the implementation that runs), fused_available
+    optimizers: tuple[Mapping[str, Any], ...] = ()
     # CPU threads (read at monitor start; observe/threads.py): intra-op threads, processes on this node,
     # DataLoader workers, cores, and the measured slowdown at that thread count when oversubscribed
     threads: Mapping[str, Any] | None = None
@@ -257,6 +260,7 @@ class RunStats:
         out["memory_growth"] = None if self.memory_growth is None else dict(self.memory_growth)
         out["shapes"] = None if self.shapes is None else dict(self.shapes)
         out["phases"] = None if self.phases is None else dict(self.phases)
+        out["optimizers"] = [dict(o) for o in self.optimizers]
         out["threads"] = None if self.threads is None else dict(self.threads)
         out["compile"] = None if self.compile is None else dict(self.compile)
         return out
@@ -268,6 +272,7 @@ class RunStats:
         if values.get("profile") is not None:
             values["profile"] = ProfileSummary.from_dict(values["profile"])
         values["notes"] = tuple(values.get("notes", ()))
+        values["optimizers"] = tuple(values.get("optimizers", ()))
         return cls(**values)
 
 
