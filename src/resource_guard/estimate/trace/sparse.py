@@ -163,9 +163,11 @@ class SparseOps:
             with mode:
                 out = self._embedding_bag_backward(*args, **kwargs)
             real = getattr(mode, "shadows", {}).get(args[1])
-            if real is not None and int(args[11] if len(args) > 11 else kwargs.get("padding_idx", -1)) == -1:
+            padding = int(args[11] if len(args) > 11 else kwargs.get("padding_idx", -1))
+            if real is not None:
                 with _disable_current_modes():  # the gradient's indices are the batch's, as a row
-                    self.indices_of[out] = real.reshape(1, -1).long()
+                    kept = real.reshape(-1).long()
+                    self.indices_of[out] = (kept[kept != padding] if padding != -1 else kept).reshape(1, -1)
         elif func is _aten._sparse_coo_tensor_with_dims_and_tensors.default:
             out = func(*args, **kwargs)
             real = getattr(mode, "shadows", {}).get(args[3]) if len(args) > 3 else None
