@@ -312,9 +312,8 @@ def estimate_memory(
     model, unwrapped = unwrap_model(model)
     _check_inputs(model, optimizer, batch, loss_fn)
     if sparse_rows not in SPARSE_ROWS:
-        raise ConfigurationError(
-            f"`estimate_memory(sparse_rows={sparse_rows!r})` must be one of {', '.join(map(repr, SPARSE_ROWS))}."
-        )
+        choices = ", ".join(map(repr, SPARSE_ROWS))
+        raise ConfigurationError(f"`estimate_memory(sparse_rows={sparse_rows!r})` must be one of {choices}.")
     spec = parse_precision(precision)
     layout = sharded_layout(model) if is_fully_sharded(model) else None
     trace_spec, buffers = spec, None
