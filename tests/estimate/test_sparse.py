@@ -195,3 +195,22 @@ def test_sparse_parts_and_handled_operators() -> None:
     assert ops.handles(torch.ops.aten._embedding_bag_backward.default)
     assert not ops.handles(torch.ops.aten.mm.default)
     assert ops.notes() == []
+
+
+@pytest.mark.parametrize("form", ["1-d", "2-d", "after-none"])
+def test_a_boolean_mask_index_holds_its_positions_beside_the_output(form: str) -> None:
+    """``x[mask]`` (``padding_idx``'s rows dropped so) makes ``mask.nonzero()``: the rule is the real
+    kernel's scratch, measured."""
+    from resource_guard.estimate.host.kernels import _mask_positions_bytes
+    from resource_guard.estimate.host.measure import allocation_deltas, peak_of
+    from resource_guard.estimate.host.quiet import quiet_profile
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, 16, generator=g)
+    mask = {"1-d": torch.rand(64, generator=g) > 0.3, "2-d": torch.rand(64, 32, generator=g) > 0.3,
+            "after-none": torch.rand(32, generator=g) > 0.3}[form]  # fmt: skip
+    index = [None, mask] if form == "after-none" else [mask]
+    with quiet_profile() as prof:
+        out = torch.ops.aten.index.Tensor(x, index)
+    scratch = peak_of(allocation_deltas(prof)) - out.numel() * out.element_size()
+    assert scratch == _mask_positions_bytes((x, index), out) > 0
