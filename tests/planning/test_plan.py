@@ -478,3 +478,15 @@ def test_a_configuration_inside_the_headroom_is_planned_as_fits_tight():
     with pytest.raises(DoesNotFitError):
         plan(model, torch.optim.AdamW, batch, _loss, device="a100-40gb", target_batch_size=1,
              memory_limit=int(total * 0.99))  # fmt: skip
+
+
+def test_plan_refuses_a_flat_embedding_bag_batch_naming_the_leaf():
+    """``(dense, indices_flat, offsets, y)``: the flat indices count indices, not samples; never cut."""
+    bag = nn.EmbeddingBag(100, 8, sparse=True)
+    idx, offsets = torch.randint(0, 100, (64,)), torch.arange(0, 64, 4)
+
+    def loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+        return model(batch[1], batch[2]).sum() + batch[0].sum()
+
+    with pytest.raises(ConfigurationError, match=r"plan\(batch=...\).*batch\[1\] has 64.*flat index"):
+        plan(bag, torch.optim.SGD, (torch.zeros(16, 3), idx, offsets), loss, device="cpu")

@@ -201,3 +201,34 @@ def test_fewer_rows_than_the_plan_are_traced_as_accumulating_micro_steps(rows):
     fit = shapes.check(batch(rows, LENGTH))
     assert fit.micro_batch_size == rows and fit.source == "traced"
     assert fit.predicted_peak_bytes == traced_total(rows, LENGTH)
+
+
+class Bags(nn.Module):
+    """A sparse table (2-D bags, so the batch has rows) with Adagrad: its state updates grow with the
+    distinct rows of the gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table, self.head = nn.EmbeddingBag(5000, 16, sparse=True), nn.Linear(16, 1)
+
+    def forward(self, bags: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(bags)).square().mean()
+
+
+def test_a_same_shape_batch_with_more_distinct_indices_is_never_under_the_cached_figure():
+    """The cache is keyed on shapes: the figure of a sample batch with few distinct indices must cover a
+    batch of the same shape whose indices are all distinct (sparse rows bounded by the indices)."""
+    hot = torch.randint(0, 20, (64, 8), generator=torch.Generator().manual_seed(0))
+    spread = torch.randperm(5000, generator=torch.Generator().manual_seed(1))[: 64 * 8].view(64, 8)
+
+    def planned_for(bags: torch.Tensor) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+        torch.manual_seed(0)
+        model = Bags()
+        optimizer = torch.optim.Adagrad(model.parameters())
+        return model, optimizer, plan(model, optimizer, bags, device="cpu", precision="32-true")
+
+    model, optimizer, made = planned_for(hot)
+    shapes = ShapeModel(model, optimizer, hot, None, made)
+    cached = shapes.check(spread)
+    assert shapes.traces == 0 and cached.source == "plan"  # the sample's figure is reused
+    assert cached.predicted_peak_bytes >= planned_for(spread)[2].fit.device_total_bytes

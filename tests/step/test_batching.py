@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import BatchEncoding
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.step.batching import even_bounds, slice_batch, split_batch
+from resource_guard.step.batching import even_bounds, resize_batch, slice_batch, split_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,38 @@ def test_a_batch_that_cannot_be_cut_names_the_leaf():
     assert "16 rows" in str(caught.value)
     with pytest.raises(ConfigurationError, match="no tensor"):
         split_batch({"ids": ["a", "b"]}, parts=2)
+
+
+def _dlrm_batch(rows: int = 16, per_bag: int = 4) -> tuple:
+    """A DLRM-style batch: dense features, one table's flat indices and offsets, labels."""
+    n = rows * per_bag
+    return (
+        torch.zeros(rows, 13),
+        [torch.randint(0, 100, (n,))],
+        [torch.arange(0, n, per_bag)],
+        torch.zeros(rows),
+    )
+
+
+@pytest.mark.parametrize("cut", [lambda b: split_batch(b, parts=2), lambda b: resize_batch(b, 8),
+                                 lambda b: slice_batch(b, 0, 8)])  # fmt: skip
+def test_a_flat_embedding_bag_index_is_refused_with_the_2d_form_suggested(cut):
+    """Cutting ``(indices_flat, offsets)`` by rows would cut bags apart: refused, the leaf named."""
+    with pytest.raises(ConfigurationError, match=r"batch\[1\]\[0\] has 64") as caught:
+        cut(_dlrm_batch())
+    message = str(caught.value)
+    assert "flat index tensor" in message and "(batch, bag_length)" in message and "loss_fn" in message
+    # the 2-D bag form is cut by rows, bags whole
+    dense, [flat], _, y = _dlrm_batch()
+    pieces = split_batch((dense, [flat.view(16, 4)], y), parts=2)
+    assert [tuple(p[1][0].shape) for p in pieces] == [(8, 4), (8, 4)]
+    assert torch.equal(pieces[1][1][0].reshape(-1), flat[32:])
+
+
+def test_a_float_leaf_of_another_length_gets_no_bag_hint():
+    with pytest.raises(ConfigurationError) as caught:
+        split_batch((torch.zeros(16, 3), torch.zeros(7)), parts=2)
+    assert "flat index tensor" not in str(caught.value)
 
 
 @pytest.mark.parametrize(

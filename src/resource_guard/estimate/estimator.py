@@ -41,7 +41,7 @@ from resource_guard.estimate.trace.fake_world import (
 from resource_guard.estimate.trace.libraries import as_real_step
 from resource_guard.estimate.trace.recovery import fake_mode as _fake_mode
 from resource_guard.estimate.trace.recovery import fake_numpy
-from resource_guard.estimate.trace.sparse import SparseOps
+from resource_guard.estimate.trace.sparse import SPARSE_ROWS, SparseOps
 from resource_guard.estimate.trace.tracer import PeakRecord, StorageTracker
 from resource_guard.estimate.user_step import UserStep, check_optimizers, run_user_step
 from resource_guard.step.precision import PrecisionSpec, parse_precision
@@ -161,13 +161,14 @@ def _trace(
     device_kind: str,
     target: Target | None = None,
     rank_buffers: RankBuffers | None = None,
+    sparse_rows: str = "bound",
 ) -> MemoryEstimate:
     started = time.perf_counter()
     # the forward runs as on the target: CUDA's autocast policy and attention kernels on a GPU target
     step_spec, step_loss_fn, forward = target_forward(target or Target(device_kind), spec, loss_fn)
     cpu_check = CpuStepCheck() if device_kind == "cpu" else None
     composite = CompositeOps(device_kind, cpu_autocast=step_spec.autocast_dtype)
-    sparse = SparseOps(device_kind)
+    sparse = SparseOps(device_kind, rows=sparse_rows)
     tracker = StorageTracker(
         functools.partial(_kernels.kernel_extra, device_kind=device_kind, cpu_check=cpu_check),
         composite=composite,
@@ -272,6 +273,7 @@ def estimate_memory(
     *,
     precision: str = "32-true",
     device: str | DeviceSpec | None = None,
+    sparse_rows: str = "bound",
 ) -> MemoryEstimate:
     """Estimate the memory of one steady-state training step.
 
@@ -291,6 +293,11 @@ def estimate_memory(
             name; where PyTorch's behaviour depends on the device (the optimizer's foreach path), the
             target's behaviour counts. Default: the model's device (``meta`` means ``cuda``; for a
             ``fully_shard``-ed module, its mesh's device).
+        sparse_rows: how many distinct rows a sparse gradient keeps once coalesced (``Adagrad``'s and
+            ``SparseAdam``'s state updates and temporaries grow with them): ``"bound"`` (default) takes
+            the number of indices, never under for any batch of these shapes; ``"batch"`` counts the
+            sample batch's own distinct indices (exact for that batch, under for a same-shape batch
+            with more distinct indices). ``est.warnings`` says which was used.
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -304,6 +311,9 @@ def estimate_memory(
     """
     model, unwrapped = unwrap_model(model)
     _check_inputs(model, optimizer, batch, loss_fn)
+    if sparse_rows not in SPARSE_ROWS:
+        choices = ", ".join(map(repr, SPARSE_ROWS))
+        raise ConfigurationError(f"`estimate_memory(sparse_rows={sparse_rows!r})` must be one of {choices}.")
     spec = parse_precision(precision)
     layout = sharded_layout(model) if is_fully_sharded(model) else None
     trace_spec, buffers = spec, None
@@ -316,7 +326,7 @@ def estimate_memory(
     with isolated_global_state():
         try:
             with torch_logs_silenced():  # a failed fake kernel is reported below, not by torch's log
-                est = _trace(model, optimizer, batch, loss_fn, trace_spec, kind, target, buffers)
+                est = _trace(model, optimizer, batch, loss_fn, trace_spec, kind, target, buffers, sparse_rows)
         except ConfigurationError:
             raise
         except Exception as exc:  # the step cannot continue past an operator: fall back, as an upper bound

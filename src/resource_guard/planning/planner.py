@@ -94,7 +94,7 @@ from resource_guard.planning.search import (
     search_largest,
 )
 from resource_guard.planning.strategy import GPUS_PER_NODE, SHARDED, STRATEGIES, RankMemory, unit_param_bytes
-from resource_guard.step.batching import divisors
+from resource_guard.step.batching import divisors, rows_error
 from resource_guard.step.precision import parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of
 
@@ -437,10 +437,7 @@ def _batch_per_rank(batch: Any, target_batch_size: int | None, world_size: int) 
     """The effective batch over all ranks and its share per rank."""
     sample = batch_size_of(batch)
     if sample is None:
-        raise ConfigurationError(
-            "`plan(batch=...)`: cannot tell the sample batch's size: its tensors share no leading dimension "
-            "(every tensor with a dimension must have the batch size first)."
-        )
+        raise rows_error(batch, "plan(batch=...)")
     if sample == 0:
         raise ConfigurationError("`plan(batch=...)`: the sample batch has 0 rows; pass at least one sample.")
     target = target_batch_size if target_batch_size is not None else sample * world_size

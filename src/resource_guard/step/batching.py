@@ -31,7 +31,15 @@ import torch
 from resource_guard.errors import ConfigurationError
 from resource_guard.step.training import batch_size_of, map_tensors
 
-__all__ = ["slice_batch", "split_batch", "even_bounds", "resize_batch", "divisors", "SHADOW_MAX_NUMEL"]
+__all__ = [
+    "slice_batch",
+    "split_batch",
+    "even_bounds",
+    "resize_batch",
+    "divisors",
+    "rows_error",
+    "SHADOW_MAX_NUMEL",
+]
 
 # Batch-derived values are computed for real up to this many elements per tensor (the estimator's
 # shadow values: attention masks, ignored labels); larger tensors of a resized batch are made on the
@@ -42,17 +50,63 @@ SHADOW_MAX_NUMEL = 1 << 22
 def _leading_size(batch: Any, who: str) -> int:
     size = batch_size_of(batch)
     if size is None:
-        rows = _rows_by_leaf(batch)
-        if not rows:
-            raise ConfigurationError(f"`{who}`: the batch has no tensor with a dimension to cut along.")
-        sizes = [n for _, n in rows]
-        common = max(set(sizes), key=sizes.count)
-        odd = ", ".join(f"{path} has {n}" for path, n in rows if n != common)
-        raise ConfigurationError(
-            f"`{who}`: cannot cut the batch into rows, its tensors' leading dimensions differ: most "
-            f"have {common} rows, but {odd} (every tensor with a dimension must share its first one)."
-        )
+        raise rows_error(batch, who)
     return size
+
+
+def rows_error(batch: Any, who: str) -> ConfigurationError:
+    """Why ``batch`` has no rows to cut (no common leading dimension), the tensors that differ named.
+
+    A 1-D integer tensor of another length is most likely a flat index tensor (``nn.EmbeddingBag``'s
+    ``(indices, offsets)`` form, as DLRM batches give it): its length counts indices, not samples, and
+    cutting it by rows would cut bags apart; the message says how to give the bags instead.
+
+    Example:
+        >>> batch = (torch.zeros(4, 3), torch.zeros(32, dtype=torch.long), torch.arange(0, 32, 8))
+        >>> "batch[1] has 32" in str(rows_error(batch, "split_batch"))
+        True
+    """
+    rows = _rows_by_leaf(batch)
+    if not rows:
+        return ConfigurationError(f"`{who}`: the batch has no tensor with a dimension to cut along.")
+    sizes = [n for _, n in rows]
+    common = max(set(sizes), key=sizes.count)
+    odd = [(path, n) for path, n in rows if n != common]
+    message = (
+        f"`{who}`: cannot cut the batch into rows, its tensors' leading dimensions differ: most have "
+        f"{common} rows, but {', '.join(f'{path} has {n}' for path, n in odd)} (every tensor with a "
+        "dimension must share its first one)."
+    )
+    flat = [path for path, _ in odd if _is_flat_index(batch, path)]
+    if flat:
+        message += (
+            f" {', '.join(flat)} looks like a flat index tensor (`nn.EmbeddingBag(indices, offsets)`): its "
+            "length counts indices, not samples, so it cannot be cut by rows. Give the bags as a 2-D "
+            "`(batch, bag_length)` tensor (padded with the table's `padding_idx` where bags differ in "
+            "length): EmbeddingBag takes it without offsets, or a `loss_fn=lambda model, batch: ...` "
+            "flattens it into `(indices, offsets)` for the model."
+        )
+    return ConfigurationError(message)
+
+
+def _is_flat_index(batch: Any, path: str) -> bool:
+    """Whether the leaf at ``path`` (as :func:`_rows_by_leaf` writes it) is a 1-D integer tensor."""
+    found = [t for p, t in _leaves(batch) if p == path]
+    return (
+        bool(found)
+        and found[0].dim() == 1
+        and not found[0].is_floating_point()
+        and found[0].dtype != torch.bool
+    )
+
+
+def _leaves(obj: Any, path: str = "batch") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj)]
+    found: list[tuple[str, torch.Tensor]] = []
+    for key, value in _children(obj):
+        found += _leaves(value, f"{path}{key}")
+    return found
 
 
 def _rows_by_leaf(obj: Any, path: str = "batch") -> list[tuple[str, int]]:

@@ -7,7 +7,15 @@ kernels of ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` hold the
 and feed-forward inside one operator, the CPU
 flash-attention kernels allocate per-thread accumulators, and ATen's CPU scatter kernels accumulate a
 bf16/fp16 ``self`` in a float32 copy (``scatter_add_`` of a gather's backward: twice the bf16 gradient
-buffer) and ``masked_scatter`` keeps an index per mask element. For these
+buffer) and ``masked_scatter`` keeps an index per mask element. Indexing with a boolean mask
+(``x[mask]``, ``aten.index.Tensor``; ``embedding_sparse_backward``'s ``padding_idx`` drops its rows so)
+first turns the mask into positions, ``mask.nonzero()`` (``expandTensors`` in ATen's
+``TensorAdvancedIndexingUtils.h``, every device: ``count × mask.dim()`` int64), held beside the output
+until the kernel returns: that rule needs no probe (:func:`_mask_positions_bytes`). ATen's CPU
+``_embedding_bag``, where it makes ``offset2bag`` (``mean``, ``max``, or ``sum`` off its fast path:
+``padding_idx``, per-sample weights), makes it one element longer than its fake (``make_offset2bag_out``
+in ``EmbeddingBag.cpp``: ``resize_(n + 1)``, filled, then ``resize_(n)``: the storage stays ``n + 1``),
+and keeps it for the backward (:func:`_offset2bag_bytes`). For these
 operators the real kernel is *probed*: run once on real zero tensors of the same shapes (one
 operator's tensors, never the model's), its allocations read from torch.profiler's memory records,
 and the answer cached by shape. Probes are skipped above ``PROBE_BUDGET_BYTES``; then a rule of thumb
@@ -270,6 +278,11 @@ def kernel_extra(
         else:
             extra = _probe_or_rule(func, args, kwargs, out, size_of, _REDUCED_GEMM_FACTOR)
         return KernelExtra(max(extra.scratch_bytes, copied))
+    if func in _EMBEDDING_BAGS and cpu:
+        return _offset2bag_bytes(args, out)
+    if func is _aten.index.Tensor:
+        positions = _mask_positions_bytes(args, out)
+        return KernelExtra(positions) if positions else None
     if func in _CPU_ONLY and not cpu:
         return None
     if func in _CPU_SCATTER:
@@ -284,6 +297,40 @@ def kernel_extra(
         # slowly here (a small fp16 conv net took ~19 min to probe): the rule of thumb stands
         return _rule(args, kwargs, out, factor)
     return _probe_or_rule(func, args, kwargs, out, size_of, factor)
+
+
+_EMBEDDING_BAGS = {_aten._embedding_bag.default, _aten._embedding_bag_forward_only.default}
+
+
+def _offset2bag_bytes(args: tuple, out: Any) -> KernelExtra | None:
+    """The CPU ``_embedding_bag``'s ``offset2bag`` storage: ``n + 1`` elements where the fake has ``n``."""
+    offset2bag = out[1]
+    n = int(args[1].numel())
+    if n == 0 or offset2bag.numel() != n:
+        return None  # the fast ``sum`` path makes it empty
+    return KernelExtra(0, (None, (n + 1) * offset2bag.element_size()))
+
+
+def _mask_positions_bytes(args: tuple, out: Any) -> int:
+    """Bytes of the positions (``mask.nonzero()``, int64) ``x[mask]`` makes of its boolean masks.
+
+    With one mask (and no other index) the number of positions is the output's size where the mask's
+    dimensions went (exact); with several indices it is bounded by the mask's elements (never under).
+
+    Example:
+        >>> x, m = torch.zeros(6, 2), torch.tensor([True, False] * 3)
+        >>> _mask_positions_bytes((x, [m]), x[m])  # 3 positions, 1 dimension, int64
+        24
+    """
+    indices = list(args[1]) if len(args) > 1 else []
+    given = [(i, t) for i, t in enumerate(indices) if isinstance(t, torch.Tensor)]
+    masks = [(i, t) for i, t in given if t.dtype in (torch.bool, torch.uint8)]
+    if not masks or not isinstance(out, torch.Tensor):
+        return 0
+    if len(given) == 1:
+        at = masks[0][0]  # every leading ``None`` keeps one dimension before the mask's
+        return int(out.shape[at]) * masks[0][1].dim() * 8 if out.dim() > at else 0
+    return sum(int(t.numel()) * t.dim() * 8 for _, t in masks)
 
 
 def _scatter_extra(

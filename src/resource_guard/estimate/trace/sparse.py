@@ -42,10 +42,13 @@ re-entered), and the sparse result is assembled from those parts
   dimension and ``a != 1``, ``values.mul(a)`` (``nnz × dim``, "purposely not inplace") and, when
   ``sparse_dim > 1``, the flattened indices.
 
-The number of distinct rows (``coalesce``) depends on the data. Where the sparse tensor's indices
-derive from the batch (the tracker's small real "shadows" of batch-derived tensors), the count is the
-sample batch's own; otherwise it is bounded by ``nnz`` (never under). Either way :meth:`SparseOps.notes`
-says so, for the estimate's warnings.
+The number of distinct rows (``coalesce``) depends on the data, not on the shapes, while everything
+that reuses an estimate (the planner's search, the shape guard's cache) keys it on shapes. So by
+default (``rows="bound"``) it is bounded by ``nnz``, the number of indices: never under for any batch
+of these shapes. With ``rows="batch"`` (``estimate_memory(..., sparse_rows="batch")``), where the
+sparse tensor's indices derive from the batch (the tracker's small real "shadows" of batch-derived
+tensors), the count is the sample batch's own: exact for that batch, under for one of the same shapes
+with more distinct indices. Either way :meth:`SparseOps.notes` says which, for the estimate's warnings.
 
 Example:
     >>> ops = SparseOps("cpu")
@@ -62,10 +65,12 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["SparseOps", "is_sparse", "sparse_parts"]
+__all__ = ["SPARSE_ROWS", "SparseOps", "is_sparse", "sparse_parts"]
 
 _aten = torch.ops.aten
 _LONG = torch.int64
+#: how the distinct rows of a coalesced sparse gradient are counted: bounded by the indices, or the batch's
+SPARSE_ROWS = ("bound", "batch")
 _SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
@@ -108,6 +113,9 @@ class SparseOps:
     Args:
         device_kind: the target's kind (``"cpu"``, ``"cuda"``, ...): where the CUDA kernels allocate
             otherwise, a ``"cuda"``/``"rocm"`` target follows them.
+        rows: ``"bound"``: a coalesced tensor keeps as many rows as it has indices (never under for
+            any batch of these shapes); ``"batch"``: the sample batch's own distinct indices, where
+            known (see the module notes).
     """
 
     _FUNCS = frozenset(
@@ -124,11 +132,13 @@ class SparseOps:
         }
     )
 
-    def __init__(self, device_kind: str) -> None:
+    def __init__(self, device_kind: str, rows: str = "bound") -> None:
         self.cuda = device_kind in ("cuda", "rocm")
+        self.rows = rows
         self.indices_of: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # sparse -> real indices
         self.distinct: Counter[str] = Counter()  # coalesce whose row count is the batch's own
-        self.bounded: Counter[str] = Counter()  # coalesce whose row count is bounded by nnz
+        self.bounded: Counter[str] = Counter()  # coalesce bounded by nnz: the batch's count not asked for
+        self.unknown: Counter[str] = Counter()  # coalesce bounded by nnz: the indices' values not known
         self.made: Counter[str] = Counter()  # sparse results made here, by operator
         self.grown = 0  # in-place sparse + sparse: the tensor grows by the rows added, every call
 
@@ -163,9 +173,11 @@ class SparseOps:
             with mode:
                 out = self._embedding_bag_backward(*args, **kwargs)
             real = getattr(mode, "shadows", {}).get(args[1])
-            if real is not None and int(args[11] if len(args) > 11 else kwargs.get("padding_idx", -1)) == -1:
+            padding = int(args[11] if len(args) > 11 else kwargs.get("padding_idx", -1))
+            if real is not None:
                 with _disable_current_modes():  # the gradient's indices are the batch's, as a row
-                    self.indices_of[out] = real.reshape(1, -1).long()
+                    kept = real.reshape(-1).long()
+                    self.indices_of[out] = (kept[kept != padding] if padding != -1 else kept).reshape(1, -1)
         elif func is _aten._sparse_coo_tensor_with_dims_and_tensors.default:
             out = func(*args, **kwargs)
             real = getattr(mode, "shadows", {}).get(args[3]) if len(args) > 3 else None
@@ -245,11 +257,11 @@ class SparseOps:
         return out
 
     def _rows(self, x: torch.Tensor) -> int:
-        """The distinct index columns of ``x``: from the batch's own indices if known, else ``nnz``."""
+        """The distinct index columns of ``x``: ``nnz``, or the batch's own where asked for and known."""
         nnz = int(x._nnz())
         real = self.indices_of.get(x)
-        if real is None:
-            self.bounded["coalesce"] += 1
+        if self.rows == "bound" or real is None:
+            (self.bounded if self.rows == "bound" else self.unknown)["coalesce"] += 1
             return nnz
         self.distinct["coalesce"] += 1
         with _disable_current_modes():  # a real, small tensor: the batch's indices
@@ -334,9 +346,16 @@ class SparseOps:
         if self.distinct["coalesce"]:
             out.append(
                 "sparse gradients: the number of distinct rows `coalesce` keeps is the sample batch's own "
-                "(its indices); a batch with more distinct indices needs more memory"
+                "(its indices, `sparse_rows='batch'`); a batch of the same shapes with more distinct "
+                "indices needs more memory"
             )
         if self.bounded["coalesce"]:
+            out.append(
+                "sparse gradients: the number of distinct rows `coalesce` keeps is bounded by the number "
+                "of indices (never under for any batch of these shapes); `sparse_rows='batch'` counts "
+                "the sample batch's own distinct indices instead"
+            )
+        if self.unknown["coalesce"]:
             out.append(
                 "sparse gradients: the number of distinct rows `coalesce` keeps is not known from the "
                 "batch; bounded by the number of indices (an upper bound)"
