@@ -81,7 +81,8 @@ def cap() -> int:
     batch = _data(EVAL, 1)[:]
 
     def peak(n: int) -> int:
-        est = estimate_eval_memory(MLP(), (batch[0][:n], batch[1][:n]), lambda m, b: m.validation_step(b, 0))
+        step = lambda m, b: nn.functional.mse_loss(m.net(b[0]), b[1])  # noqa: E731
+        est = estimate_eval_memory(MLP(), (batch[0][:n], batch[1][:n]), step)
         return est.for_device(cpu, headroom=HEADROOM).device_total_bytes
 
     low, high = peak(EVAL // 2), peak(EVAL)
