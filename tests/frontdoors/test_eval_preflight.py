@@ -381,5 +381,6 @@ def test_ddp_ranks_stop_together_when_one_ranks_validation_does_not_fit(tmp_path
     r0, r1 = ranks
     assert r0["error_type"] == r1["error_type"] == "DoesNotFitError"
     assert r0["error"] == r1["error"] and "pre-flight failed on rank 1" in r0["error"]
-    assert "validation step does not fit: batch size 4" in r0["error"] and "Not even batch size 1" in r0["error"]
+    assert "validation step does not fit: batch size 4" in r0["error"]
+    assert "Not even batch size 1" in r0["error"]
     assert r0["calls"] == r1["calls"] == 0, "no training or validation step on any rank"

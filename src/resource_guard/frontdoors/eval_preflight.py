@@ -207,7 +207,13 @@ class EvalPreflights:
         self._seen: dict[Any, EvalCheck] = {}
 
     def check(
-        self, model: torch.nn.Module, batch: Any, loss_fn: LossFn | None, *, again: bool = False, **kwargs: Any
+        self,
+        model: torch.nn.Module,
+        batch: Any,
+        loss_fn: LossFn | None,
+        *,
+        again: bool = False,
+        **kwargs: Any,
     ) -> EvalCheck | None:
         """:func:`preflight_eval` with ``kwargs``; ``None`` when not checkable, or when already checked
         (then the earlier check where ``again``)."""

@@ -78,8 +78,8 @@ def _first_batches(
     as the loop moves it."""
     if stage == "validate" and trainer.state.fn == "fit":
         trainer.fit_loop.epoch_loop.val_loop.setup_data()
-    found = {"validate": trainer.val_dataloaders, "test": trainer.test_dataloaders}
-    loaders = _loaders(found[stage] if stage in found else trainer.predict_dataloaders)
+    name = {"validate": "val_dataloaders", "test": "test_dataloaders"}.get(stage, "predict_dataloaders")
+    loaders = _loaders(getattr(trainer, name))
     batches = []
     with isolate_rng(include_cuda=False):  # a shuffling sampler draws from the CPU generator
         for i, loader in enumerate(loaders):
