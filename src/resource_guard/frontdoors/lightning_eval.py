@@ -1,5 +1,7 @@
-"""The Lightning callback's evaluation pre-flight: validation and test, each on its own dataloader's
-first batch (its own batch size and shapes), before any of their steps run.
+"""The Lightning callback's evaluation pre-flight: validation, test and predict, each on its own
+dataloader's first batch (its own batch size and shapes), before any of their steps run. A loader whose
+batch does not fit, when a smaller one does, is returned for splitting
+(:mod:`~resource_guard.frontdoors.lightning_eval_split`); one where not even one row fits stops the run.
 
 When, and beside what (Lightning 2.x, checked by ``tests/frontdoors/test_eval_preflight.py``):
 
@@ -12,12 +14,14 @@ When, and beside what (Lightning 2.x, checked by ``tests/frontdoors/test_eval_pr
   validation can start mid-accumulation (``accumulate_grad_batches > 1`` and ``val_check_batch`` not
   a multiple of it) or where the module overrides that hook. The sanity check holds less (no state
   yet), so it is covered too.
-- ``trainer.validate`` / ``trainer.test``: in ``on_validation_start`` / ``on_test_start``, once the
-  loop has set up its dataloaders, beside what the run holds then: the parameters, the gradients
-  the module holds, and the optimizer state when a ``fit`` on the same Trainer left one.
+- ``trainer.validate`` / ``trainer.test`` / ``trainer.predict``: in ``on_validation_start`` /
+  ``on_test_start`` / ``on_predict_start``, once the loop has set up its dataloaders, beside what the
+  run holds then: the parameters, the gradients the module holds, and the optimizer state when a
+  ``fit`` on the same Trainer left one.
 
 Under DDP every rank traces its own first batch and the ranks agree (one collective): if any rank's
-step does not fit, every rank raises the same :class:`~resource_guard.errors.DoesNotFitError`.
+step does not fit even at one row, every rank raises the same
+:class:`~resource_guard.errors.DoesNotFitError`.
 """
 
 from __future__ import annotations
