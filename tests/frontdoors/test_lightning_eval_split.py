@@ -169,6 +169,12 @@ def test_ready_batches_are_cut_along_dim_0(cap):
     torch.testing.assert_close(got[1], expected[1])
     assert len(got[2]) == 3
     torch.testing.assert_close(got[2], expected[2])
+    # an integer limit counts loader batches: the first batch, all of its micro-batches
+    first, limited = MLP(), MLP()
+    want = _trainer(limit_val_batches=1).validate(first, ready(), verbose=False)
+    have = _trainer(_guard(cap), limit_val_batches=1).validate(limited, ready(), verbose=False)
+    assert sum(limited.eval_rows) == EVAL and len(limited.eval_rows) > 1
+    torch.testing.assert_close(have, want)
 
 
 def test_a_cap_below_one_row_still_stops():
@@ -202,3 +208,21 @@ def test_regroup_joins_tensors_containers_and_row_lists():
     assert joined["ids"] == ["x"] * 3 + ["y"] * 2
     with pytest.warns(ResourceGuardWarning, match="cannot be joined"):
         assert regroup([1.0, 2.0]) == [1.0, 2.0]
+
+
+def test_an_epoch_prediction_writer_after_the_callback_gets_one_prediction_per_batch(cap):
+    from lightning.pytorch.callbacks import BasePredictionWriter
+
+    class Writer(BasePredictionWriter):
+        def __init__(self) -> None:
+            super().__init__(write_interval="epoch")
+            self.written: list = []
+
+        def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+            self.written = list(predictions)
+
+    writer, net = Writer(), MLP()
+    returned = _trainer(_guard(cap), writer).predict(net, _eval_loader())
+    assert max(net.eval_rows) < EVAL  # split
+    assert len(writer.written) == len(returned) == len(_eval_loader())
+    torch.testing.assert_close(writer.written, returned)

@@ -191,7 +191,7 @@ class ResourceGuard(Callback):
         self._fixed = ap.Fixed()
         self._evals = EvalPreflights()  # validation and test pre-flights (frontdoors/lightning_eval.py)
         self._eval_notes: list[str] = []  # their lines, for the monitor's report once it runs
-        self._eval_splits: dict[int, int] = {}  # fit's validation loaders run as micro-batches: index → size
+        self._eval_splits: dict[int, tuple[int, int]] = {}  # fit's validation loaders split: index → sizes
         _skip_inherited_step_hooks(self)
 
     # -- set-up --------------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ class ResourceGuard(Callback):
 
     def _preflight_eval(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from resource_guard.frontdoors.lightning_eval import preflight_loops
-        from resource_guard.frontdoors.lightning_eval_split import apply_splits
+        from resource_guard.frontdoors.lightning_eval_split import apply_splits, split_sizes
 
         made, fitting = self.plan, trainer.state.fn == "fit"
         checks, splits = preflight_loops(
@@ -307,13 +307,8 @@ class ResourceGuard(Callback):
             precision=self.decisions.precision if fitting and self.decisions is not None else None,
             fail_fast=self.fail_fast,
         )
-        micro = {i: int(c.largest_fitting_batch_size or 1) for i, c in splits.items()}
-        lines = [c.line() for c in checks] + [
-            f"the {c.loop} loader's batches of {c.batch_size} rows do not fit: each runs as micro-batches "
-            f"of at most {micro[i]} rows (its largest batch size that fits); epoch metrics and predictions "
-            "are those of the whole batches"
-            for i, c in splits.items()
-        ]
+        micro, notes = split_sizes(splits)
+        lines = [c.line() for c in checks] + notes
         if fitting:
             self._eval_splits = micro
         apply_splits(trainer, stage, micro, reset=not fitting)  # fit's loop has not built its iterator

@@ -18,8 +18,9 @@ Results are those of the unsplit run:
 - ``trainer.predict``: the pieces' outputs are concatenated back along dim 0 (tensors, and tuples,
   lists and dicts of them), one prediction per loader batch (:func:`regroup`).
 
-Per-step values (``on_step=True``), ``batch_idx`` and a ``BasePredictionWriter`` with
-``write_interval="batch"`` see the micro-batches.
+Per-step values (``on_step=True``), ``batch_idx`` and a ``BasePredictionWriter`` see the
+micro-batches (one with ``write_interval="epoch"`` listed after ``ResourceGuard`` in ``callbacks`` sees
+the joined predictions: the callback joins them in ``on_predict_epoch_end``).
 
 The loop's loaders are replaced after it set them up and before it iterates them; Lightning internals
 touched: ``_EvaluationLoop._combined_loader`` / ``._max_batches``, ``_PredictionLoop._combined_loader``
@@ -51,7 +52,16 @@ from resource_guard.step.training import batch_size_of
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["EvalSplitLoader", "EvalSplitSampler", "apply_splits", "regroup", "regroup_predictions"]
+    from resource_guard.frontdoors.eval_preflight import EvalCheck
+
+__all__ = [
+    "EvalSplitLoader",
+    "EvalSplitSampler",
+    "apply_splits",
+    "regroup",
+    "regroup_predictions",
+    "split_sizes",
+]
 
 
 def _pieces(rows: int, micro: int) -> list[tuple[int, int]]:
@@ -164,18 +174,34 @@ def _loop(trainer: pl.Trainer, stage: str) -> Any:
     return trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == "fit" else trainer.validate_loop
 
 
-def apply_splits(trainer: pl.Trainer, stage: str, splits: Mapping[int, int], *, reset: bool) -> list[int]:
+def split_sizes(splits: Mapping[int, EvalCheck]) -> tuple[dict[int, tuple[int, int]], list[str]]:
+    """For the pre-flight's checks of the loaders to split (by index): ``(micro-batch size, the
+    loader's batch size)`` by index, and a line for each (the plan's reasons, the report)."""
+    sizes = {i: (int(c.largest_fitting_batch_size or 1), int(c.batch_size or 1)) for i, c in splits.items()}
+    lines = [
+        f"the {c.loop} loader's batches of {c.batch_size} rows do not fit: each runs as micro-batches of "
+        f"at most {sizes[i][0]} rows (the largest {c.loop} batch size that fits); epoch metrics and "
+        "predictions are those of the whole batches"
+        for i, c in splits.items()
+    ]
+    return sizes, lines
+
+
+def apply_splits(
+    trainer: pl.Trainer, stage: str, splits: Mapping[int, tuple[int, int]], *, reset: bool
+) -> list[int]:
     """Replace the loaders of ``stage``'s loop (``"validate"``, ``"test"``, ``"predict"``) named by
-    index in ``splits`` with their :class:`EvalSplitLoader` of that micro-batch size (once; a loader
-    already split is left), and the loop's batch counts to match; ``reset``: rebuild the loop's iterator
-    (the loop already built it). Returns the indices replaced."""
+    index in ``splits`` (``(micro-batch size, the loader's batch size)``) with their
+    :class:`EvalSplitLoader` (once; a loader already split is left), and the loop's batch counts to
+    match (an integer ``limit_*_batches`` counts loader batches of the loader's batch size); ``reset``:
+    rebuild the loop's iterator (the loop already built it). Returns the indices replaced."""
     loop = _loop(trainer, stage)
     combined = getattr(loop, "_combined_loader", None)
     if combined is None or not splits:
         return []
     loaders = list(combined.flattened)
     done = []
-    for i, micro in splits.items():
+    for i, (micro, _) in splits.items():
         if i < len(loaders) and not isinstance(loaders[i], EvalSplitLoader):
             loaders[i] = EvalSplitLoader(loaders[i], micro)
             done.append(i)
@@ -191,8 +217,7 @@ def apply_splits(trainer: pl.Trainer, stage: str, splits: Mapping[int, int], *, 
         except TypeError:
             length = float("inf")
         if isinstance(limit, int) and not isinstance(limit, bool):  # loader batches → at most micro-batches
-            first = getattr(new.original, "batch_size", None) or new.micro_batch_size
-            length = min(length, limit * math.ceil(first / new.micro_batch_size))
+            length = min(length, limit * math.ceil(splits[i][1] / new.micro_batch_size))
         elif isinstance(limit, float) and length != float("inf"):
             length = int(length * limit)
         counts[i] = length
