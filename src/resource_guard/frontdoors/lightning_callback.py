@@ -189,7 +189,7 @@ class ResourceGuard(Callback):
         self._applied: ap.Applied | None = None
         self._monitor: Any = None
         self._fixed = ap.Fixed()
-        self._evals = EvalPreflights()  # validation and test pre-flights (frontdoors/lightning_eval.py)
+        self._evals = EvalPreflights()  # validation/test/predict pre-flights (frontdoors/lightning_eval.py)
         self._eval_notes: list[str] = []  # their lines, for the monitor's report once it runs
         self._eval_splits: dict[int, tuple[int, int]] = {}  # fit's validation loaders split: index → sizes
         _skip_inherited_step_hooks(self)
