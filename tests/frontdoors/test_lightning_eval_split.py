@@ -118,7 +118,8 @@ def test_validate_test_predict_split_equal_the_unsplit_run(cap):
     expected = _evaluate(_trainer(), MLP())
     net = MLP()
     guard = _guard(cap)
-    got = _evaluate(_trainer(guard), net)
+    trainer = _trainer(guard)
+    got = _evaluate(trainer, net)
 
     assert net.eval_rows and max(net.eval_rows) < EVAL  # split: no batch of EVAL rows ran
     assert sum(net.eval_rows) == 3 * ROWS  # every row once, in each of validate, test and predict
@@ -131,6 +132,11 @@ def test_validate_test_predict_split_equal_the_unsplit_run(cap):
     sizes = [c.largest_fitting_batch_size for c in guard._evals.checks if not c.fits]
     assert sizes and max(net.eval_rows) <= min(sizes)
     assert any("runs as micro-batches of at most" in n for n in guard._eval_notes)
+    # a second validate on the same Trainer (its pre-flight already done) is split again
+    net.eval_rows.clear()
+    again = trainer.validate(net, _eval_loader(), verbose=False)[0]
+    assert max(net.eval_rows) < EVAL and sum(net.eval_rows) == ROWS
+    torch.testing.assert_close(again, expected[0])
 
 
 def test_fit_validation_split_equals_the_unsplit_run(cap):
