@@ -1,6 +1,14 @@
 """Shared pytest fixtures and hooks.
 
-The report header names this CPU, so a failure report names the hardware.
+The report header names this CPU as the library sees it (its CPU profile, the ``ONEDNN_MAX_CPU_ISA``
+cap included), so a failure report names the hardware every host-dependent decision read.
+
+``--play-cpu ISA`` runs every test under another CPU's profile (:func:`resource_guard.devices.play_cpu`,
+e.g. ``--play-cpu avx512_core_bf16`` on an AVX2 machine): the decisions that read the profile (the
+planner's ``precision="auto"``, the kernel allowances) are that CPU's, while real kernels stay this
+machine's (so the ``cpu_reference`` tests, which compare with a real step, keep this machine's profile).
+It finds tests whose expectation depends on the CPU. A single test pins a CPU the same way,
+``with play_cpu("avx2"):``.
 
 Test isolation (issue #17: the suite passes in any order, ``pytest-randomly``'s default, and in parallel,
 ``-n 2``): every test starts from the same torch RNG state, and process-wide state that a test or the code
@@ -14,6 +22,7 @@ check): on a busy machine they fail a test for the machine's load, not for the c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -24,7 +33,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from resource_guard.devices import cpu_summary
+from resource_guard.devices import cpu as cpu_module
+from resource_guard.devices import cpu_summary, play_cpu
 
 pytest_plugins = ("pytester",)  # tests/testing/ runs pytest in temporary projects
 
@@ -56,12 +66,32 @@ def _restore_torch_state(state: dict[str, Any]) -> None:
     os.chdir(state["cwd"])
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--play-cpu",
+        default=None,
+        metavar="ISA",
+        help="run every test under another CPU profile (resource_guard.devices.play_cpu): avx512_core_bf16",
+    )
+
+
 @pytest.fixture(autouse=True)
-def _isolated_process_state() -> Iterator[None]:
+def _played_cpu(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test under the CPU profile ``--play-cpu`` names (none: this machine's), but those that compare
+    an estimate with a real step (marker ``cpu_reference``): the real kernels are this machine's, so the
+    estimate must be for this machine too (CI plays other CPUs for them with ``ONEDNN_MAX_CPU_ISA``)."""
+    isa = None if request.node.get_closest_marker("cpu_reference") else request.config.getoption("--play-cpu")
+    with play_cpu(isa) if isa else contextlib.nullcontext():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _isolated_process_state(_played_cpu: None) -> Iterator[None]:
     """Same torch seed for every test; environment, logging levels and the SIGINT handler put back;
-    torch's global switches and the cwd checked (and put back) after each test."""
+    torch's global switches, the cwd and the played CPU profile checked (and put back) after each test."""
     torch.manual_seed(0)
     before = _torch_state()
+    played = list(cpu_module._played)
     environ = dict(os.environ)
     loggers = {name: logging.getLogger(name) for name in ("", "resource_guard")}
     levels = {name: logger.level for name, logger in loggers.items()}
@@ -77,10 +107,18 @@ def _isolated_process_state() -> Iterator[None]:
     logging.getLogger().handlers[:] = root_handlers
     signal.signal(signal.SIGINT, sigint)
     changed = {key: (before[key], after[key]) for key in before if before[key] != after[key]}
+    if cpu_module._played != played:
+        changed["played CPU profile"] = (played, list(cpu_module._played))
+        cpu_module._played[:] = played
     if changed:
         _restore_torch_state(before)
         pytest.fail(f"the test left process-wide state changed (before, after): {changed}", pytrace=False)
 
 
-def pytest_report_header() -> str:
-    return f"cpu: {cpu_summary()}"
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [f"cpu: {cpu_summary()}"]
+    isa = config.getoption("--play-cpu")
+    if isa:
+        with play_cpu(isa):
+            lines.append(f"played cpu (--play-cpu): {cpu_summary()}")
+    return lines

@@ -621,16 +621,17 @@ def test_events_file_unwritable_mid_run_is_one_warning(
     tmp_path: Path, disk_full_after: Any, door: str
 ) -> None:
     res = Resources()
+    steps = 60 if door == "guard" else 8
     with pytest.warns(ResourceGuardWarning, match="TensorBoard disabled: OSError") as record:
         if door == "guard":
 
             class ArmingRows(Rows):
                 def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-                    if i == 3 * BATCH:
+                    if i == 52 * BATCH:  # after the boundary at step 50
                         disk_full_after()
                     return super().__getitem__(i)
 
-            report = guard_ok(tmp_path, ArmingRows(n=8 * BATCH)).report
+            report = guard_run(tmp_path, Net(), loader(ArmingRows(n=steps * BATCH)), profile=False).report
         else:
             callback = rg(tmp_path, profile=False)
 
@@ -644,13 +645,16 @@ def test_events_file_unwritable_mid_run_is_one_warning(
             report = callback.report
     assert len(ours(record)) == 1, ours(record)
     res.check()
-    assert report is not None and report.stats.steps == 8
-    assert json.loads((tmp_path / "report.json").read_text())["summary"]["steps"] == 8
-    # every interval logged before the disk filled up is in the file, however late TensorBoard's writer
-    # thread ran (TBLog flushes at each log boundary): the guard logs step 1 (then every 50 steps), the
-    # Lightning run every step (log_every_n_steps=1), and the fault hits after step 3
+    assert report is not None and report.stats.steps == steps
+    assert json.loads((tmp_path / "report.json").read_text())["summary"]["steps"] == steps
+    # every interval logged before the last boundary before the disk filled up is in the file, however
+    # late TensorBoard's writer thread ran (TBLog's flusher writes a boundary's events by the next
+    # boundary): the guard logs steps 1 and 50, the Lightning run every step (log_every_n_steps=1); the
+    # fault hits after step 51 (guard) or 3 (Lightning); the last boundary's events may or may not
+    # have been written before it
     logged = [e.step for e in events(tmp_path).Scalars("resource_guard/time/step_s")]
-    assert logged == ([1] if door == "guard" else [1, 2, 3]), "what was logged before the fault is on disk"
+    sure, maybe = ([1], 50) if door == "guard" else ([1, 2], 3)
+    assert logged in (sure, [*sure, maybe]), f"what was logged before the fault is on disk: {logged}"
 
 
 def test_tensorboard_internals_are_where_we_expect(tmp_path: Path) -> None:

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
         measure_training_step,
     )
     from resource_guard.frontdoors.context import Guard, guard
+    from resource_guard.frontdoors.hf_plan import plan_training_args
+    from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback
     from resource_guard.frontdoors.lightning_callback import ResourceGuard
     from resource_guard.observe.monitor import RunMonitor
     from resource_guard.planning.checkpointing import apply_checkpointing
@@ -56,6 +58,7 @@ __all__ = [
     "ProjectionRow",
     "Report",
     "ResourceGuard",
+    "ResourceGuardCallback",
     "ResourceGuardError",
     "ResourceGuardWarning",
     "RunMonitor",
@@ -70,6 +73,7 @@ __all__ = [
     "parse_bytes",
     "parse_precision",
     "plan",
+    "plan_training_args",
     "project_training",
     "resolve_device",
 ]
@@ -114,6 +118,8 @@ _EXPORTS = {
     "PrecisionSpec": "resource_guard.step.precision",
     "parse_precision": "resource_guard.step.precision",
     "ResourceGuard": "resource_guard.frontdoors.lightning_callback",
+    "ResourceGuardCallback": "resource_guard.frontdoors.hf_trainer",  # transformers, lazily
+    "plan_training_args": "resource_guard.frontdoors.hf_plan",
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import resource_guard.devices as devices
-from resource_guard.devices import detect, detect_local_devices, resolve_device
+from resource_guard.devices import cpu_profile, detect, detect_local_devices, play_cpu, resolve_device
 from resource_guard.errors import ConfigurationError
 
 GiB = 1024**3
@@ -30,7 +30,6 @@ def test_devices_re_exports_detection_in_either_import_order() -> None:
     assert devices.resolve_device is detect.resolve_device
     assert devices.cpu_summary is detect.cpu_summary
     assert "detect_local_devices" in devices.__all__ and detect.__all__ == [
-        "CPU_ISA_FLAGS",
         "cpu_summary",
         "detect_local_devices",
         "resolve_device",
@@ -65,18 +64,13 @@ def test_detection_on_this_machine_finds_the_cpu_and_no_gpu() -> None:
     assert resolve_device("auto").name in ("cpu", "mps")
 
 
-@pytest.mark.parametrize(
-    ("cpuinfo", "expected"),
-    [
-        ("processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu sse avx512f avx512_bf16\n", True),
-        ("flags\t\t: fpu sse amx_tile amx_bf16\n", True),
-        ("Features\t: fp asimd bf16 i8mm\n", True),  # aarch64
-        ("flags\t\t: fpu sse avx2 avx512f\n", False),
-        (None, False),  # not Linux / unreadable
-    ],
-)
-def test_cpu_bf16_comes_from_cpu_flags(cpuinfo: str | None, expected: bool) -> None:
-    assert detect._cpu_spec(cpuinfo).bf16 is expected
+def test_the_cpu_device_takes_bf16_and_its_name_from_the_cpu_profile() -> None:
+    """bf16 of the ``cpu`` device is the profile's native bf16 (flags, cap: tests/devices/test_cpu.py)."""
+    for isa in ("avx2", "avx512_core", "avx512_core_bf16", "avx512_core_amx"):
+        with play_cpu(isa) as played:
+            cpu = resolve_device("cpu")
+            assert cpu.bf16 is played.native_bf16 is (isa in ("avx512_core_bf16", "avx512_core_amx"))
+            assert cpu.display_name == f"played {isa}" == detect_local_devices()[-1].display_name
 
 
 class _FakeNvml:
@@ -259,9 +253,11 @@ def test_resolve_explicit_cuda_devices(fake_nvml: _FakeNvml, monkeypatch: pytest
         resolve_device("cuda")
 
 
-def test_cpu_summary_names_the_model_and_the_isa_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    info = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse4_2 avx2 fma\n"
+def test_cpu_summary_names_the_model_the_isa_and_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    info = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse4_1 avx avx2 fma\n"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     line = detect.cpu_summary(info)
-    assert line.startswith("AMD EPYC 7B13; avx2 -avx512f -avx512_bf16 -avx512_fp16 -amx_bf16; torch CPU")
-    assert line.endswith("ONEDNN_MAX_CPU_ISA=AVX2")
+    assert line.startswith("AMD EPYC 7B13; ISA avx2 (avx2 -avx512f -avx512_bf16 -avx512_fp16 -amx_bf16);")
+    assert "native bf16 no, fp16 no, AMX no; torch CPU capability" in line
+    assert line.endswith("ONEDNN_MAX_CPU_ISA=AVX2 (at or above this CPU: no effect)")
+    assert detect.cpu_summary() == cpu_profile().summary()  # by default: the profile decisions read

@@ -11,6 +11,7 @@ from torch import nn
 
 from cpu_reference import measure_reference, reference_checked
 from resource_guard import ConfigurationError, ResourceGuardWarning, plan
+from resource_guard.devices import play_cpu
 from resource_guard.estimate import estimate_memory
 from resource_guard.estimate.analytic import analytic_estimate, optimizer_states_per_param
 from resource_guard.estimate.trace import recovery
@@ -160,24 +161,26 @@ def test_the_planner_refuses_an_analytic_estimate_unless_allowed(monkeypatch):
     assert any("method: analytic upper bound" in r for r in made.reasons)
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_cpu_convolutions_without_native_reduced_kernels_count_im2col_columns(monkeypatch, native):
+@pytest.mark.parametrize(
+    ("isa", "native"), [("avx512_core_bf16", True), ("avx512_core", True), ("avx2", False)]
+)
+def test_cpu_convolutions_without_native_reduced_kernels_count_im2col_columns(isa, native):
     # an AVX2-only CPU in bf16 (most CPUs in fp16): oneDNN has no kernel, ATen's slow_conv2d allocates
-    # full-batch im2col columns, twice in backward; the bound was 4.4% below a real conv+BN step there
-    from resource_guard.estimate.host import cpu_support
-
-    monkeypatch.setattr(cpu_support, "reduced_gemm_packs", lambda dtype: native)
+    # full-batch im2col columns, twice in backward; the bound was 4.4% below a real conv+BN step there.
+    # The allowance reads the CPU profile (played here; a ONEDNN_MAX_CPU_ISA cap plays it the same way)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 5, padding=2))
     batch = torch.randn(4, 3, 32, 32)
     spec = parse_precision("bf16-mixed")
-    est = analytic_estimate(model, torch.optim.SGD, batch, spec, "cpu", reason="forced")
-    fp32 = analytic_estimate(
-        model, torch.optim.SGD, batch, parse_precision("32-true"), "cpu", reason="forced"
-    )
-    monkeypatch.setattr(cpu_support, "reduced_gemm_packs", lambda dtype: True)
-    packed = analytic_estimate(model, torch.optim.SGD, batch, spec, "cpu", reason="forced")
+    with play_cpu(isa):
+        est = analytic_estimate(model, torch.optim.SGD, batch, spec, "cpu", reason="forced")
+        fp32 = analytic_estimate(
+            model, torch.optim.SGD, batch, parse_precision("32-true"), "cpu", reason="forced"
+        )
+    with play_cpu("avx512_core_bf16"):
+        packed = analytic_estimate(model, torch.optim.SGD, batch, spec, "cpu", reason="forced")
     columns = 4 * 32 * 32 * (8 * 5 * 5) * 2  # the 5x5 conv's: batch x positions x (in x kernel) in bf16
     extra = est.breakdown["activations"] - packed.breakdown["activations"]
     assert extra == (0 if native else 2 * columns)
     assert ("im2col" in est.warnings[1]) is not native
+    assert native or f"this CPU's oneDNN (ISA {isa}) has no bf16 kernels" in est.warnings[1]
     assert "im2col" not in fp32.warnings[1]  # float32 convolutions have oneDNN kernels everywhere

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from resource_guard import estimate_memory
+from resource_guard.devices import play_cpu
+from resource_guard.devices.cpu import process_cpu_profile
 from resource_guard.estimate.host import cpu_support, kernels
 from resource_guard.estimate.host.cpu_support import (
     CpuKernelSupport,
@@ -54,8 +56,28 @@ def test_fp32_recurrent_calls_run_and_fp32_gemms_do_not_pack() -> None:
     assert reduced_gemm_packs(torch.float32) is False
 
 
-def test_gemm_probe_agrees_with_torchs_own_onednn_check() -> None:
-    assert reduced_gemm_packs(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def test_gemm_probe_agrees_with_torchs_own_onednn_check_and_the_cpu_profile() -> None:
+    """On this CPU and under each cap CI runs (the whole suite under AVX2): the real probe, torch's own
+    check and the profile's rule (what a played profile answers with) agree, in bf16 and fp16."""
+    assert not process_cpu_profile().played
+    for dtype, torch_says in (
+        (torch.bfloat16, torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        (torch.float16, torch.ops.mkldnn._is_mkldnn_fp16_supported()),
+    ):
+        rule = process_cpu_profile().onednn_runs(dtype)
+        assert reduced_gemm_packs(dtype) == torch_says, (dtype, process_cpu_profile().summary())
+        assert rule is None or rule == torch_says, (dtype, process_cpu_profile().summary())
+
+
+@pytest.mark.parametrize(
+    ("isa", "bf16", "fp16"),
+    [("avx2", False, False), ("avx512_core", True, False), ("avx512_core_amx", True, False),
+     ("avx10_1_512", True, True)],
+)  # fmt: skip
+def test_a_played_cpu_answers_the_gemm_question_from_its_profile(isa: str, bf16: bool, fp16: bool) -> None:
+    with play_cpu(isa):
+        assert (reduced_gemm_packs(torch.bfloat16), reduced_gemm_packs(torch.float16)) == (bf16, fp16)
+        assert reduced_gemm_packs(torch.float32) is False
 
 
 def test_the_key_is_the_call_as_the_step_makes_it() -> None:
@@ -177,17 +199,41 @@ def _count_probes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("packs", [True, False])
+@pytest.mark.parametrize(("isa", "packs"), [("avx512_core", True), ("avx2", False)])
 def test_reduced_gemms_are_probed_only_where_onednn_packs_them(
-    monkeypatch: pytest.MonkeyPatch, packs: bool
+    monkeypatch: pytest.MonkeyPatch, isa: str, packs: bool
 ) -> None:
     seen = _count_probes(monkeypatch)
-    monkeypatch.setattr(kernels, "reduced_gemm_packs", lambda dtype: packs)
+    monkeypatch.setattr(cpu_support, "_reduced_gemm_packs", lambda dtype: True)  # probes may run here
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8))
-    estimate_memory(model, torch.optim.SGD, torch.randn(32, 64), lambda m, b: m(b).float().sum(),
-                    precision="bf16-mixed", device="cpu")  # fmt: skip
+    with play_cpu(isa):  # the decision reads the CPU profile
+        estimate_memory(model, torch.optim.SGD, torch.randn(32, 64), lambda m, b: m(b).float().sum(),
+                        precision="bf16-mixed", device="cpu")  # fmt: skip
     gemms = [f for f in seen if f.split(".")[1] in ("mm", "addmm")]
     assert bool(gemms) is packs
+
+
+@pytest.mark.parametrize("process_packs", [True, False])
+def test_a_played_cpu_that_packs_gets_the_packing_allowance(
+    monkeypatch: pytest.MonkeyPatch, process_packs: bool
+) -> None:
+    """A played AVX-512 CPU packs bf16 GEMMs: where this process's oneDNN packs too, the GEMM is probed;
+    where it does not (an AVX2 machine), the rule of thumb stands in (a probe would measure ATen's loop)."""
+    monkeypatch.setattr(cpu_support, "_reduced_gemm_packs", lambda dtype: process_packs)
+    seen = _count_probes(monkeypatch)
+    monkeypatch.setattr(kernels, "_probe", lambda *a: seen.append("probe") or kernels.KernelExtra(123))
+    with torch.device("meta"):
+        a, b = torch.empty(64, 128, dtype=torch.bfloat16), torch.empty(128, 32, dtype=torch.bfloat16)
+        out = a @ b
+    with play_cpu("avx512_core"):
+        extra = kernels.kernel_extra(torch.ops.aten.mm.default, (a, b), {}, out, lambda t: None)
+    assert extra is not None
+    if process_packs:
+        assert (extra.scratch_bytes, seen) == (123, ["probe"])
+    else:
+        assert (extra.scratch_bytes, seen) == (int(64 * 128 * 2 * 1.5), [])
+    with play_cpu("avx2"):
+        assert kernels.kernel_extra(torch.ops.aten.mm.default, (a, b), {}, out, lambda t: None) is None
 
 
 def test_large_flash_attention_probe_is_cut_and_extrapolated_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -211,6 +257,8 @@ _AGREEMENT = textwrap.dedent(
     import torch
     from torch import nn
     from resource_guard import estimate_memory
+from resource_guard.devices import play_cpu
+from resource_guard.devices.cpu import process_cpu_profile
     from resource_guard.estimate.host.cpu_support import reduced_gemm_packs
     from resource_guard.step.precision import parse_precision
     from resource_guard.step.training import training_step

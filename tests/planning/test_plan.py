@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from types import SimpleNamespace
 
@@ -11,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import resource_guard.planning.planner as plan_module
 from resource_guard import ConfigurationError, DeviceSpec, DoesNotFitError
-from resource_guard.devices import detect
+from resource_guard.devices import cpu as cpu_module
+from resource_guard.devices import detect, play_cpu
 from resource_guard.estimate import measure_training_step
 from resource_guard.planning.checkpointing import apply_checkpointing
 from resource_guard.planning.planner import NoFitReport, Plan, choose_precision, plan
@@ -117,20 +118,33 @@ def test_auto_precision_on_catalog_gpus(device, expected):
     assert p.precision == expected and p.estimate.precision == expected
 
 
-@pytest.mark.parametrize(("native", "expected"), [(True, "bf16-mixed"), (False, "32-true")])
-def test_auto_precision_on_the_cpu_follows_its_bf16_flags(monkeypatch, native, expected):
-    monkeypatch.setattr(plan_module, "_cpu_has_native_bf16", lambda: native)
+@pytest.mark.parametrize(
+    ("isa", "expected"),
+    [("avx2", "32-true"), ("avx512_core", "32-true"), ("avx512_core_bf16", "bf16-mixed"),
+     ("avx512_core_amx", "bf16-mixed")],
+)  # fmt: skip
+def test_auto_precision_on_the_cpu_follows_the_cpu_profile(isa, expected):
+    """Played on any machine (``play_cpu``): the CPUs of this machine kind, with and without native bf16."""
+    with play_cpu(isa) as cpu:
+        p = plan(nn.Linear(8, 1), torch.optim.SGD, torch.randn(4, 8), _loss, device="cpu")
+    assert p.precision == p.estimate.precision == expected
+    assert f"precision {expected}: {cpu.native_bf16_reason()}" in p.reasons
+    assert f"ISA {isa}" in cpu.native_bf16_reason()
+
+
+def test_auto_precision_under_the_avx2_cap_is_fp32_and_says_why(monkeypatch):
+    """``ONEDNN_MAX_CPU_ISA=AVX2`` on this machine (the profile is read again, as a fresh process would):
+    fp32, with the cap in the reason. CI also runs the whole suite under this cap."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setattr(
+        cpu_module, "_process_profile", functools.cache(cpu_module._process_profile.__wrapped__)
+    )
+    monkeypatch.setattr(cpu_module, "_played", [])  # (under pytest --play-cpu: this machine again)
     p = plan(nn.Linear(8, 1), torch.optim.SGD, torch.randn(4, 8), _loss, device="cpu")
-    assert p.precision == expected
-
-
-def test_cpu_bf16_seam_reads_the_cpuinfo_flags(monkeypatch):
-    monkeypatch.setattr(detect, "_read_cpuinfo", lambda: "flags\t\t: fpu sse avx512f avx512_bf16 amx_tile\n")
-    assert plan_module._cpu_has_native_bf16()
-    monkeypatch.setattr(detect, "_read_cpuinfo", lambda: "flags\t\t: fpu sse avx2 avx512f\n")
-    assert not plan_module._cpu_has_native_bf16()
-    monkeypatch.setattr(detect, "_read_cpuinfo", lambda: None)
-    assert not plan_module._cpu_has_native_bf16()
+    assert p.precision == "32-true"
+    (why,) = [r for r in p.reasons if r.startswith("precision 32-true: ")]
+    assert why.endswith("has no native bf16 (avx512_bf16/amx_bf16): fp32")
+    assert "ISA avx2; ONEDNN_MAX_CPU_ISA=AVX2" in why
 
 
 def test_mps_without_bf16_trains_in_fp32():

@@ -67,24 +67,57 @@ def test_scalars_text_and_image_land_in_the_event_file(tmp_path: Path) -> None:
 
 # the writer thread dies on the injected disk error (its traceback is pytest's warning)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_what_was_logged_is_in_the_file_before_a_fault_however_late_the_writer_thread_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("background", [True, False])
+def test_what_was_logged_is_in_the_file_by_the_next_call_however_late_the_writer_thread_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool
 ) -> None:
-    """The writer thread writes only while someone waits for it; each TBLog call must wait."""
+    """The writer thread writes only while someone waits for it. In the background, a call's events
+    are on disk once the next call returns (or wait()); in the foreground, once the call returns."""
     disk = lagging_tensorboard.install(monkeypatch)
-    log = TBLog(log_dir=tmp_path)
+    log = TBLog(log_dir=tmp_path, background=background)
     log.layout()
     log.scalars(1, {"time/step_s": 0.5})
-    log.text("report", "# so far")
+    log.text("report", "# so far")  # the next call: scalars(1) is on disk when it returns
     assert _accumulator(tmp_path).Scalars("resource_guard/time/step_s")[0].step == 1, "not in the file yet"
+    log.wait()
     disk.full()
-    with pytest.raises(OSError, match="No space left"):  # the call that hit the fault says so
+    with pytest.raises(OSError, match="No space left"):  # the call that hit the fault (or the next) says so
         log.scalars(2, {"time/step_s": 0.6})
+        log.wait()
     with pytest.raises(OSError, match="No space left"):
         log.close()  # its thread and file let go of all the same (test_faults checks that)
     ea = _accumulator(tmp_path)
     assert [e.step for e in ea.Scalars("resource_guard/time/step_s")] == [1]
     assert "resource_guard/report/text_summary" in ea.Tags()["tensors"]
+
+
+def test_background_events_are_on_disk_after_close_and_after_an_exception_in_the_loop(
+    tmp_path: Path,
+) -> None:
+    """The monitor closes its TBLog when the loop raises: what it logged is readable then."""
+    from resource_guard import guard
+
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [torch.randn(4, 8) for _ in range(60)]
+    with pytest.raises(RuntimeError, match="boom"):  # guard logs at steps 1 and 50, and at close
+        with guard(model, optimizer, log_dir=tmp_path, profile=False) as g:
+            for i, x in enumerate(g.iterate(batches)):
+                g.backward(model(x).sum())
+                if i == 54:
+                    raise RuntimeError("boom")
+    steps = [e.step for e in _accumulator(tmp_path).Scalars("resource_guard/time/step_s")]
+    assert steps == [1, 50, 54], steps  # the last interval, written at close: 54 steps completed
+    log = TBLog(log_dir=tmp_path / "plain")
+    for step in range(1, 4):
+        log.scalars(step, {"time/step_s": step / 10})
+    log.close()
+    log.close()  # idempotent
+    assert [e.step for e in _accumulator(tmp_path / "plain").Scalars("resource_guard/time/step_s")] == [
+        1,
+        2,
+        3,
+    ]
 
 
 def test_the_private_file_writer_hook_still_exists(tmp_path: Path) -> None:
@@ -101,7 +134,9 @@ def test_other_writers_get_add_scalar_calls() -> None:
         def add_scalar(self, tag: str, value: float, step: int) -> None:
             calls.append((tag, value, step))
 
-    TBLog(Minimal()).scalars(2, {"a": 1.0, "b": None})
+    log = TBLog(Minimal())
+    log.scalars(2, {"a": 1.0, "b": None})
+    log.wait()
     assert calls == [("resource_guard/a", 1.0, 2)]
 
 

@@ -2,6 +2,9 @@
 
 - :mod:`~resource_guard.devices.catalog`: :class:`DeviceSpec`, :class:`Catalog`, ``catalog.yaml``,
   byte sizes (``parse_bytes`` / ``format_bytes``, ``memory_limit``).
+- :mod:`~resource_guard.devices.cpu`: the host CPU as one :class:`CpuProfile` (ISA level,
+  native bf16/fp16, AMX, the ``ONEDNN_MAX_CPU_ISA`` cap) that every host-dependent decision reads;
+  :func:`play_cpu` plays another CPU (tests).
 - :mod:`~resource_guard.devices.detect`: local CUDA/ROCm (NVML first, no CUDA context), MPS and CPU;
   :func:`resolve_device`.
 - :mod:`~resource_guard.devices.nvml`: the NVML handles the monitor samples.
@@ -19,12 +22,15 @@ from resource_guard.devices.catalog import (
     parse_bytes,
     parse_memory_limit,
 )
+from resource_guard.devices.cpu import CpuProfile, cpu_profile, play_cpu
 from resource_guard.devices.detect import cpu_summary, detect_local_devices, resolve_device
 
 __all__ = [
     "DEVICE_KINDS",
     "PEAK_DTYPES",
     "Catalog",
+    "CpuProfile",
+    "cpu_profile",
     "cpu_summary",
     "DeviceSpec",
     "detect_local_devices",
@@ -32,5 +38,6 @@ __all__ = [
     "load_catalog",
     "parse_bytes",
     "parse_memory_limit",
+    "play_cpu",
     "resolve_device",
 ]

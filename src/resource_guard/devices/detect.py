@@ -1,8 +1,9 @@
 """Detection of this machine's devices: CUDA/ROCm GPUs, Apple MPS and the CPU, as :class:`DeviceSpec`.
 
 GPUs come from NVML (no CUDA context is created; ``CUDA_VISIBLE_DEVICES`` is respected), with
-``torch.cuda`` as a fallback when NVML is unusable; then ``torch.backends.mps``, and psutil plus
-``/proc/cpuinfo`` for the CPU. Each probe sits behind a small private function (a seam the tests
+``torch.cuda`` as a fallback when NVML is unusable; then ``torch.backends.mps``, and psutil plus the
+CPU profile (:mod:`resource_guard.devices.cpu`: ``/proc/cpuinfo`` under the oneDNN cap) for
+the CPU. Each probe sits behind a small private function (a seam the tests
 replace). Nothing happens at import. :func:`resolve_device` turns a user's device argument into a
 local :class:`DeviceSpec` or a catalog entry (:mod:`resource_guard.devices.catalog`).
 
@@ -18,22 +19,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import platform
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
 from resource_guard.devices.catalog import Catalog, DeviceSpec, load_catalog
+from resource_guard.devices.cpu import cpu_profile, read_cpu_profile
 from resource_guard.errors import ConfigurationError
 
-__all__ = ["CPU_ISA_FLAGS", "cpu_summary", "detect_local_devices", "resolve_device"]
+__all__ = ["cpu_summary", "detect_local_devices", "resolve_device"]
 
 _log = logging.getLogger(__name__)
 
@@ -167,58 +166,26 @@ def _cuda_specs(catalog: Catalog) -> list[DeviceSpec]:
     return specs
 
 
-def _read_cpuinfo() -> str | None:
-    with contextlib.suppress(OSError):
-        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    return None
-
-
-def _cpuinfo_fields(cpuinfo: str | None) -> Iterator[tuple[str, str]]:
-    for line in (cpuinfo or "").splitlines():
-        key, _, value = (part.strip() for part in line.partition(":"))
-        yield key, value
-
-
-def _cpu_has_native_bf16(cpuinfo: str | None) -> bool:
-    """Whether the CPU flags say native bf16 (x86 avx512_bf16/amx_bf16, Arm bf16; unknown: no)."""
-    flags: set[str] = set()
-    for key, value in _cpuinfo_fields(cpuinfo):
-        if key in ("flags", "Features"):
-            flags.update(value.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-#: the x86 flags that decide which of oneDNN's kernels exist (bf16/fp16 GEMM packing, bf16 LSTM)
-CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
-
-
 def cpu_summary(cpuinfo: str | None = None) -> str:
-    r"""One line naming this CPU and what decides its kernels: model, ISA flags (``-`` = absent), torch's
-    CPU capability and a ``ONEDNN_MAX_CPU_ISA`` cap if one is set. For logs and skip reasons.
+    r"""One line naming this CPU and what decides its kernels (:meth:`CpuProfile.summary`): model, ISA
+    level, flags (``-`` = absent), native bf16/fp16/AMX, torch's CPU capability and a oneDNN cap if one
+    is set. For logs, warnings and skip reasons. ``cpuinfo``: another CPU's ``/proc/cpuinfo`` text
+    (under this process's cap); by default the profile every decision reads (:func:`cpu_profile`).
 
     Example:
-        >>> cpu_summary("model name : Some CPU\nflags : fpu avx2")  # doctest: +ELLIPSIS
-        'Some CPU; avx2 -avx512f -avx512_bf16 -avx512_fp16 -amx_bf16; torch CPU capability ...'
+        >>> cpu_summary("model name : Some CPU\nflags : fpu sse4_1 avx avx2")  # doctest: +ELLIPSIS
+        'Some CPU; ISA avx2 (avx2 -avx512f -avx512_bf16 -avx512_fp16 -amx_bf16); native bf16 no, ...'
     """
-    cpuinfo = _read_cpuinfo() if cpuinfo is None else cpuinfo
-    fields = list(_cpuinfo_fields(cpuinfo))
-    model = next((v for k, v in fields if k == "model name" and v), "") or platform.processor() or "CPU"
-    flags = {f for k, v in fields if k in ("flags", "Features") for f in v.split()}
-    marks = " ".join(f if f in flags else f"-{f}" for f in CPU_ISA_FLAGS)
-    line = f"{model}; {marks}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
-    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
-        if os.environ.get(var):
-            line += f"; {var}={os.environ[var]}"
-    return line
+    profile = cpu_profile() if cpuinfo is None else read_cpu_profile(cpuinfo, os.environ)
+    return profile.summary()
 
 
-def _cpu_spec(cpuinfo: str | None) -> DeviceSpec:
-    """Host RAM, and native bf16 from the CPU flags (:func:`_cpu_has_native_bf16`)."""
-    model = next((value for key, value in _cpuinfo_fields(cpuinfo) if key == "model name" and value), "")
+def _cpu_spec() -> DeviceSpec:
+    """Host RAM, and native bf16 from the CPU profile (:func:`cpu_profile`: the oneDNN cap included)."""
+    profile = cpu_profile()
     ram = psutil.virtual_memory()
-    bf16 = _cpu_has_native_bf16(cpuinfo)
-    return _detected("cpu", "cpu", int(ram.total), None, display_name=model or platform.processor() or "CPU",
-                     bf16=bf16, free_bytes=int(ram.available))  # fmt: skip
+    return _detected("cpu", "cpu", int(ram.total), None, display_name=profile.model, bf16=profile.native_bf16,
+                     free_bytes=int(ram.available))  # fmt: skip
 
 
 def _mps_available() -> bool:
@@ -253,7 +220,7 @@ def detect_local_devices(catalog: Catalog | None = None) -> list[DeviceSpec]:
     found = _cuda_specs(catalog)
     if _mps_available():
         found.append(_mps_spec(catalog))
-    found.append(_cpu_spec(_read_cpuinfo()))
+    found.append(_cpu_spec())
     return found
 
 
@@ -283,7 +250,7 @@ def resolve_device(device: str | DeviceSpec | None = "auto", catalog: Catalog | 
             )
         return next((d for d in local if d.kind == "mps"), local[-1])
     if name.lower() == "cpu":
-        return _cpu_spec(_read_cpuinfo())
+        return _cpu_spec()
     if name.lower() == "mps":
         if not _mps_available():
             raise ConfigurationError(

@@ -286,9 +286,14 @@ def _cpu_im2col(spec: PrecisionSpec, device_kind: str) -> str | None:
     dtype = spec.compute_dtype
     if device_kind != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return None
+    from resource_guard.devices.cpu import cpu_profile
     from resource_guard.estimate.host.cpu_support import reduced_gemm_packs
 
-    if reduced_gemm_packs(dtype):
+    if reduced_gemm_packs(dtype):  # the CPU profile's answer (the oneDNN cap included)
         return None
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    return f"this CPU's oneDNN has no {name} kernels: convolutions counted as im2col (two column buffers)"
+    isa = cpu_profile().isa or "unknown"
+    return (
+        f"this CPU's oneDNN (ISA {isa}) has no {name} kernels: convolutions counted as im2col "
+        "(two column buffers)"
+    )

@@ -188,6 +188,7 @@ class ResourceGuard(Callback):
         self._restored: ap.Decisions | None = None
         self._applied: ap.Applied | None = None
         self._monitor: Any = None
+        self._phases: Any = None  # the LightningPhases switching the monitor's phase clock, while fitting
         self._fixed = ap.Fixed()
         self._evals = EvalPreflights()  # validation/test/predict pre-flights (frontdoors/lightning_eval.py)
         self._eval_notes: list[str] = []  # their lines, for the monitor's report once it runs
@@ -278,6 +279,12 @@ class ResourceGuard(Callback):
             from resource_guard.frontdoors.lightning_eval_split import apply_splits
 
             apply_splits(trainer, "validate", self._eval_splits, reset=True)
+        if self._phases is not None:
+            self._phases.evaluation_start()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._phases is not None:
+            self._phases.evaluation_end()
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._preflight_eval(trainer, pl_module, "test")
@@ -449,6 +456,7 @@ class ResourceGuard(Callback):
             loader_info=ap.loader_info(trainer),
             precision=str(trainer.precision) if str(trainer.precision) in PRECISIONS else None,
             memory_history=self.memory_history,
+            phase_timing=True,  # switched at Lightning's own boundaries (frontdoors/lightning_phases.py)
             flops_per_step=(
                 self._flops_per_sample * self.decisions.micro_batch_size
                 if self._flops_per_sample and self.decisions is not None
@@ -457,7 +465,13 @@ class ResourceGuard(Callback):
         )
         self._monitor.total_steps = _total_batches(trainer)
         self._monitor.shape_stats = self._shapes.stats if self._shapes is not None else None
+        self._monitor.optimizers = tuple(trainer.optimizers)
         self._monitor.start()
+        if self._monitor.phases is not None:
+            from resource_guard.frontdoors.lightning_phases import LightningPhases
+
+            self._phases = LightningPhases(self._monitor.phases, self.state_key)
+            self._phases.install(trainer, pl_module)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -465,6 +479,8 @@ class ResourceGuard(Callback):
         if self._shapes is not None:  # before the batch runs: stop, on every rank, if it would not fit
             self._shapes.stop_if_too_big(batch)
         if self._monitor is not None:
+            if self._phases is not None:
+                self._phases.step_start()
             self._monitor.batch_ready(batch)
 
     def on_train_batch_end(
@@ -490,6 +506,9 @@ class ResourceGuard(Callback):
         self._restore(trainer, pl_module)
 
     def _close(self, exc: BaseException | None) -> None:
+        phases, self._phases = self._phases, None
+        if phases is not None:
+            phases.remove()
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             self.report = monitor.close(exc)

@@ -46,14 +46,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.observe.dynamo import compile_counters
 from resource_guard.observe.growth import MemoryWatch, batch_signature, cpu_allocated_bytes
 from resource_guard.observe.oom import OomEvent, is_oom, memory_history
 from resource_guard.observe.outputs import MonitorOutputs, console_summary
+from resource_guard.observe.phases import PhaseClock
 from resource_guard.observe.profiling import ProfileWindow, StepProfiler
 from resource_guard.observe.sampler import Sampler, reset_peak_rss
 from resource_guard.observe.stats import METRIC_KEYS
+from resource_guard.observe.threads import local_processes, thread_demand
 from resource_guard.observe.throughput import StepTimer, batch_counts, count_flops
-from resource_guard.report.findings import Report, analyze
+from resource_guard.report.findings import Report, analyze, available_cores
 from resource_guard.report.tensorboard import TBLog
 from resource_guard.step.training import iter_tensors
 
@@ -91,12 +94,18 @@ class RunMonitor(MonitorOutputs):
         summary: print the one-line summary at the end (rank zero).
         memory_history: on a CUDA run, record the allocator's history and dump it into
             ``memory_snapshot.pickle`` when the run ends with an OOM (see :mod:`resource_guard.observe.oom`).
+        phase_timing: keep a :class:`~resource_guard.observe.phases.PhaseClock` (:attr:`phases`) that the
+            front door switches at its boundaries; the report then splits the step by phase
+            (:attr:`RunStats.phases`) and takes the data wait from the loader's own ``__next__``. Off, the
+            data wait is the time between a ``step_end`` and the next ``batch_ready``.
 
     ``shape_stats``: set by a front door to a callable returning its shape guard's counts (shapes
-    seen, splits, stops); read once, at close, into :attr:`RunStats.shapes`.
+    seen, splits, stops); read once, at close, into :attr:`RunStats.shapes`. ``optimizers``: set by a
+    front door to its optimizers, described at close into :attr:`RunStats.optimizers`.
     """
 
     shape_stats: Any = None
+    optimizers: Any = ()
 
     def __init__(
         self,
@@ -119,6 +128,7 @@ class RunMonitor(MonitorOutputs):
         precision: str | None = None,
         summary: bool = True,
         memory_history: bool = False,
+        phase_timing: bool = False,
     ) -> None:
         def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
             return ConfigurationError(f"`RunMonitor({name}={value!r})` must be {allowed}")
@@ -172,6 +182,10 @@ class RunMonitor(MonitorOutputs):
         self.loader_info = dict(loader_info or {})
         self.flops_per_step, self.precision, self.summary = flops_per_step, precision, summary
         self.memory_history = memory_history
+        self.phase_timing = bool(phase_timing)
+        self.phases: PhaseClock | None = None  # the front door switches it (phase_timing=True), from start
+        self._phase_sums: dict[str, float] = {}
+        self._phase_steps = 0
         self.total_steps: int | None = None  # set by the front door when known: ETA and cost of the rest
         self._remaining: dict[str, Any] | None = None
         self.report: Report | None = None
@@ -241,7 +255,22 @@ class RunMonitor(MonitorOutputs):
             self._guard("profiler", self._profiler.start, off="_profiler")
         self._rss_reset = not self._cuda and reset_peak_rss()
         self._guard("memory growth", self._watch_memory)
-        self._timer = StepTimer(_clock())
+        self._guard("thread and compile figures", self._read_settings)
+        now = _clock()
+        if self.phase_timing:
+            self.phases = PhaseClock(now, _clock)
+        self._timer = StepTimer(now)
+
+    def _read_settings(self) -> None:
+        """Threads against cores, and dynamo's counters (the difference is taken at close)."""
+        workers = self.loader_info.get("num_workers")
+        self._threads = thread_demand(
+            intra_op=torch.get_num_threads(),
+            processes=local_processes(self.world_size),
+            workers=workers if isinstance(workers, int) else 0,
+            cores=available_cores(),
+        )
+        self._compile_start = compile_counters()
 
     def _watch_memory(self) -> None:
         """Allocated memory at step ends, for the ``memory-growth`` finding (:mod:`.growth`)."""
@@ -300,7 +329,11 @@ class RunMonitor(MonitorOutputs):
         if timer is None or self._broken:
             return
         try:
-            timer.step_end(_clock())
+            now = _clock()
+            timer.step_end(now)
+            phases = self.phases
+            if phases is not None:
+                phases.charge(now)
             self._step += 1
             memory = self._memory
             if memory is not None and self._step >= memory.next_step:
@@ -317,7 +350,10 @@ class RunMonitor(MonitorOutputs):
                 self._log_interval(_clock())
                 if self._sampler is not None:
                     self._warn_sampler()
-            timer.resume(_clock())  # profiling and logging are the monitor's time, not a data wait
+            now = _clock()
+            timer.resume(now)  # profiling and logging are the monitor's time, not a data wait
+            if phases is not None:
+                phases.skip(now)
         except Exception as exc:
             self._break(exc)
 
@@ -390,6 +426,7 @@ class RunMonitor(MonitorOutputs):
 
     def _break(self, exc: BaseException) -> None:
         self._broken = True
+        self.phases = None
         if self._profiler is not None:
             self._guard("profiler", self._profiler.stop, off="_profiler")
         _warn(f"monitoring stopped for the rest of the run: {type(exc).__name__}: {exc}")

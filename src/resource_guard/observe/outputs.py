@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,10 +22,13 @@ import psutil
 import torch
 
 from resource_guard.observe.oom import SNAPSHOT_FILE, OomEvent, memory_history, write_oom
+from resource_guard.observe.optimizer_facts import describe_optimizer
+from resource_guard.observe.phases import PhaseClock, phase_means
 from resource_guard.observe.sampler import peak_rss_bytes, reset_peak_rss
 from resource_guard.observe.stats import METRIC_KEYS, interval_row, job_row, run_stats, tensorboard_scalars
 from resource_guard.observe.throughput import aggregate_rows, peak_flops_per_s
 from resource_guard.planning.projection_result import remaining_markdown, remaining_run
+from resource_guard.report.breakdown import phase_line
 from resource_guard.report.findings import Report, RunStats
 from resource_guard.report.tensorboard import memory_picture, png_bytes
 
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
     from resource_guard.observe.growth import MemoryWatch
     from resource_guard.observe.profiling import ProfileSummary
     from resource_guard.observe.sampler import Sampler
+    from resource_guard.observe.threads import ThreadDemand
     from resource_guard.observe.throughput import StepTimer
     from resource_guard.report.tensorboard import TBLog
 
@@ -65,6 +70,11 @@ class MonitorOutputs:
     _rss_reset: bool
     _step: int
     _intervals: list[tuple[float, ...]]
+    phases: PhaseClock | None
+    _phase_sums: dict[str, float]
+    _phase_steps: int
+    _phase_first: tuple[dict[str, float], int] | None = None
+    optimizers: Any = ()  # set by a front door: its optimizers, described at close (optimizer-step)
     _history: bool
     _guard: Callable[..., Any]
     _comparable_estimate: int | None = None  # cached by _estimated_peak_bytes
@@ -76,6 +86,11 @@ class MonitorOutputs:
     planned_capacity_bytes: int | None
     precision: str | None
     loader_info: dict[str, Any]
+    _threads: ThreadDemand | None = None  # read at start
+    _hwm_read_at: float = -math.inf  # when VmHWM was last read (time.monotonic)
+    _closed: bool
+    interval_s: float
+    _compile_start: Any = None  # dynamo's counters at start
 
     @property
     def _files_dir(self) -> Path | None:  # the monitor's: where report and OOM files go
@@ -86,8 +101,13 @@ class MonitorOutputs:
         ``collective=False``), kept for the run stats and logged to TensorBoard."""
         assert self._timer is not None  # internal invariant: only called after start()
         iv = self._timer.take(now)
+        phase_totals = self.phases.take(now) if self.phases is not None else None
         if iv.steps == 0:
             return
+        phase_row = self._add_phases(phase_totals, iv.steps)
+        if phase_totals is not None:  # the data wait is the loader's own __next__, not the gap
+            wait = min(phase_totals["data_wait"], iv.wall_s)
+            iv = dataclasses.replace(iv, data_wait_s=wait, compute_s=iv.wall_s - wait)
         gauges = self._sampler.drain() if self._sampler is not None else {}
         device_compute_s = None
         if self._events:
@@ -124,7 +144,21 @@ class MonitorOutputs:
         if self._tb is None:
             return
         out = tensorboard_scalars(agg, maxes, gauges, world_size=self.world_size)
+        out.update(phase_row)
         self._guard("TensorBoard", lambda: self._tb.scalars(self._step, out), off="_tb")  # type: ignore[union-attr]
+
+    def _add_phases(self, totals: Mapping[str, float] | None, steps: int) -> dict[str, float]:
+        """Keep this interval's phase totals for the run (the first interval, the start-up step, only
+        until a later one exists); this rank's ``phase/<name>_s`` scalars (seconds per step)."""
+        if totals is None:
+            return {}
+        if not self._intervals:  # the start-up step: used only when no later interval comes
+            self._phase_first = (dict(totals), steps)
+        else:
+            for key, value in totals.items():
+                self._phase_sums[key] = self._phase_sums.get(key, 0.0) + value
+            self._phase_steps += steps
+        return {f"phase/{key}_s": value / steps for key, value in totals.items()}
 
     def _collective_device(self) -> torch.device | None:
         import torch.distributed as dist
@@ -160,9 +194,54 @@ class MonitorOutputs:
             memory_growth=self._memory_growth(),
             expandable_segments=expandable_segments() if self._cuda else None,
         )
+        stats = self._with_phases(stats)
+        if self.optimizers:  # the front door's optimizers: which step implementation runs
+            facts = self._guard(
+                "optimizer facts", lambda: tuple(describe_optimizer(o) for o in self.optimizers)
+            )
+            stats = dataclasses.replace(stats, optimizers=facts or ())
+        threads = self._guard("thread figures", self._thread_figures)
+        compiled = self._guard("compile figures", self._compile_figures)
+        stats = dataclasses.replace(stats, threads=threads, compile=compiled)
         if self.shape_stats is None:  # the front doors' shape guard, when on
             return stats
         return dataclasses.replace(stats, shapes=self._guard("shape stats", self.shape_stats))
+
+    def _with_phases(self, stats: RunStats) -> RunStats:
+        """``stats`` with the step split by phase; the data wait is then the loader's own ``__next__``."""
+        if self.phases is None and not self._phase_steps and self._phase_first is None:
+            return stats
+        totals, steps = (
+            (self._phase_sums, self._phase_steps) if self._phase_steps else self._phase_first or ({}, 0)
+        )
+        means = phase_means(totals, steps, stats.step_time_s)
+        if means is None:
+            return stats
+        step = stats.step_time_s
+        share = means["data_wait"] / step if step else None
+        return dataclasses.replace(stats, phases=means, data_wait_s=means["data_wait"], data_wait_share=share)
+
+    def _thread_figures(self) -> dict[str, Any] | None:
+        """The thread demand read at start; when it exceeds the cores, the slowdown it costs, measured
+        now (a fraction of a second, only then)."""
+        from resource_guard.observe.threads import oversubscription_slowdown
+
+        demand = self._threads
+        if demand is None:
+            return None
+        out: dict[str, Any] = demand.to_dict()
+        out["slowdown"] = oversubscription_slowdown(demand) if demand.oversubscribed else None
+        return out
+
+    def _compile_figures(self) -> dict[str, Any] | None:
+        """torch.compile's recompilations, graph breaks and compile time since start (``None``: none)."""
+        from resource_guard.observe.dynamo import compile_counters
+
+        start = self._compile_start
+        if start is None:
+            return None
+        delta = compile_counters().since(start)
+        return delta.to_dict() if delta.frames or delta.graph_breaks or delta.recompiles else None
 
     def _memory_growth(self) -> dict[str, Any] | None:
         trend = self._guard("memory growth", self._memory.trend) if self._memory is not None else None
@@ -218,10 +297,19 @@ class MonitorOutputs:
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return float(peak)
-        hwm = peak_rss_bytes() if self._rss_reset else None
-        if hwm is not None:
-            self._rss_reset = reset_peak_rss()
-            return float(hwm)
+        if self._rss_reset:
+            # reading and resetting VmHWM costs a few hundred us (the kernel walks the page tables):
+            # at most once per sampling interval, and always at close; a high-water mark read later
+            # still holds this interval's peak, so the run's peak is exact
+            now = time.monotonic()
+            if now - self._hwm_read_at < self.interval_s and not self._closed:
+                sampled = gauges.get("host/process_rss_bytes")
+                return None if sampled is None else sampled[1]
+            hwm = peak_rss_bytes()
+            if hwm is not None:
+                self._hwm_read_at = now
+                self._rss_reset = reset_peak_rss()
+                return float(hwm)
         sampled = gauges.get("host/process_rss_bytes")
         return None if sampled is None else sampled[1]
 
@@ -326,7 +414,8 @@ def console_summary(report: Report) -> None:
     if _log.isEnabledFor(logging.INFO):
         line = report.summary_line()
         extra = [f"  {f.severity} {f.id}: {f.title}" for f in report.findings if f.id != "healthy"]
-        _log.info("\n".join([line, *extra]))
+        phases = phase_line(report.stats)
+        _log.info("\n".join([line, *([f"  {phases}"] if phases else []), *extra]))
     else:
         from resource_guard.report.terminal import render_summary
 

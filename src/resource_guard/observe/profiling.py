@@ -28,6 +28,7 @@ import torch
 
 from resource_guard.errors import ConfigurationError
 from resource_guard.estimate.host.quiet import native_stderr_silenced
+from resource_guard.observe.opclasses import EventRecord, op_breakdown
 from resource_guard.report.types import ProfileSummary
 
 __all__ = ["ProfileWindow", "ProfileSummary", "EventRecord", "StepProfiler", "summarize_events"]
@@ -48,6 +49,8 @@ class ProfileWindow:
         skip_first: steps left alone at the start of the run (data-loader start, lazy inits).
         max_trace_bytes: a gzipped trace above this size is deleted (the summary is kept).
         record_shapes: record input shapes and dtypes (needed by the alignment and precision rules).
+        with_stack: record the Python stack of each op (the user's lines behind syncs and casts);
+            like everything else here it costs only inside the warm-up and active steps.
     """
 
     wait: int = 1
@@ -56,6 +59,7 @@ class ProfileWindow:
     skip_first: int = 5
     max_trace_bytes: int = 50 * 2**20
     record_shapes: bool = True
+    with_stack: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -79,17 +83,6 @@ class ProfileWindow:
         return self.skip_first + self.wait + self.warmup + self.active
 
 
-@dataclass(frozen=True)
-class EventRecord:
-    """One profiler event, reduced to what :func:`summarize_events` reads (a seam for tests)."""
-
-    name: str
-    on_device: bool
-    duration_us: float
-    input_shapes: tuple[tuple[int, ...], ...] = ()
-    input_dtypes: tuple[str, ...] = ()
-
-
 def _misaligned(shapes: tuple[tuple[int, ...], ...]) -> bool:
     """A matrix dimension (last two of each 2-D+ input) that is not a multiple of 8."""
     return any(d % 8 for s in shapes if len(s) >= 2 for d in s[-2:])
@@ -99,8 +92,12 @@ def summarize_events(events: Iterable[EventRecord], steps: int) -> ProfileSummar
     """Condense a window's events into a :class:`ProfileSummary` (a pure function).
 
     ``ProfilerStep#`` events give the step wall time; device events the kernels and copies;
-    matmul ops (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``) their shapes and dtypes.
+    matmul ops (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``) their shapes and dtypes; all of them
+    the time by op class, call sites and exposed communication
+    (:func:`resource_guard.observe.opclasses.op_breakdown`). Python frames (``with_stack``) are not ops.
     """
+    events = list(events)
+    classes = op_breakdown(events, steps)
     per = max(steps, 1)
     step_walls, kernels, device_us, h2d, h2d_pageable = [], [], 0.0, 0.0, 0.0
     matmul_us = fp32_us = misaligned_us = 0.0
@@ -109,6 +106,8 @@ def summarize_events(events: Iterable[EventRecord], steps: int) -> ProfileSummar
     for ev in events:
         if ev.name.startswith("ProfilerStep"):
             step_walls.append(ev.duration_us)
+            continue
+        if ev.python:
             continue
         if ev.on_device:
             device_us += ev.duration_us
@@ -144,6 +143,14 @@ def summarize_events(events: Iterable[EventRecord], steps: int) -> ProfileSummar
         misaligned_matmuls=tuple(misaligned),
         misaligned_matmul_us=misaligned_us / per,
         top_ops=tuple((name, round(n / per), round(us / per, 1)) for name, (n, us) in top),
+        op_timeline=classes.timeline,
+        op_class_us=tuple((c, round(us, 1)) for c, us in classes.class_us),
+        syncs_per_step=classes.syncs,
+        sync_idle_us=classes.sync_idle_us,
+        sync_sites=classes.sync_sites,
+        cast_sites=classes.cast_sites,
+        comm_us=classes.comm_us,
+        exposed_comm_us=classes.exposed_comm_us,
     )
 
 
@@ -159,7 +166,20 @@ def _records(prof: Any) -> list[EventRecord]:
             duration = ev.self_device_time_total if on_device else ev.self_cpu_time_total
         shapes = tuple(tuple(s) for s in (ev.input_shapes or ()) if isinstance(s, (list, tuple)))
         dtypes = tuple(str(d) for d in (getattr(ev, "input_dtypes", None) or ()))
-        out.append(EventRecord(ev.name, on_device, float(duration), shapes, dtypes))
+        span = ev.time_range
+        out.append(
+            EventRecord(
+                ev.name,
+                on_device,
+                float(duration),
+                shapes,
+                dtypes,
+                start_us=float(span.start),
+                total_us=float(span.end - span.start),
+                thread=int(ev.thread or 0),
+                python=bool(getattr(ev, "is_python_function", False)),
+            )
+        )
     return out
 
 
@@ -212,6 +232,7 @@ class StepProfiler:
             ),
             on_trace_ready=self._on_trace_ready,
             record_shapes=w.record_shapes,
+            with_stack=w.with_stack,
         )
         with native_stderr_silenced():  # Kineto's native `profiler_start` line is not the user's
             prof.start()

@@ -9,8 +9,10 @@ The rules, each covered by a test:
    being present. ``memory_limit`` (bytes or ``"6GiB"``) plans as if the device had only that much.
 2. **Precision** ``"auto"``: ``bf16-mixed`` where the device has native bf16 (Ampere+, H100, MI300,
    Apple M2+); ``16-mixed`` (loss scaling) on older CUDA GPUs (T4, V100); ``32-true`` on an MPS
-   device without bf16 and on a CPU unless it has native bf16 (``amx_bf16``/``avx512_bf16`` in
-   ``/proc/cpuinfo``). An explicit precision is respected, never overridden.
+   device without bf16 and on a CPU unless it has native bf16 (``amx_bf16``/``avx512_bf16``, Arm
+   ``bf16``), as the CPU profile says (:func:`~resource_guard.devices.cpu.cpu_profile`: a
+   ``ONEDNN_MAX_CPU_ISA`` cap below bf16 gets the fp32 plan); the reason names the CPU and the cap.
+   An explicit precision is respected, never overridden.
 3. **Batch**: ``micro_batch_size × accumulation_steps × world_size == target_batch_size`` exactly, so
    the micro-batch is a divisor of the per-rank batch. The plan says when the target has few
    divisors (prime-ish) and a non-divisor micro-batch would have been larger.
@@ -67,7 +69,7 @@ from torch import nn
 from resource_guard.devices import (
     Catalog,
     DeviceSpec,
-    detect,
+    cpu_profile,
     load_catalog,
     parse_memory_limit,
     resolve_device,
@@ -208,11 +210,6 @@ def _ckpt_words(every: int) -> str:
 
 
 # -- rules ------------------------------------------------------------------------------------------
-def _cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (``amx_bf16``/``avx512_bf16``, Arm ``bf16``). A test seam."""
-    return detect._cpu_has_native_bf16(detect._read_cpuinfo())
-
-
 def choose_precision(device: DeviceSpec) -> tuple[str, str]:
     """The ``"auto"`` precision for ``device`` and the reason (rule 2)."""
     if device.kind in ("cuda", "rocm"):
@@ -230,9 +227,8 @@ def choose_precision(device: DeviceSpec) -> tuple[str, str]:
         if device.bf16:
             return "bf16-mixed", f"{device.name} supports bf16"
         return "32-true", f"{device.name} has no bf16 (Apple M1): fp32"
-    if _cpu_has_native_bf16():
-        return "bf16-mixed", "the CPU has native bf16 (amx_bf16/avx512_bf16)"
-    return "32-true", "the CPU has no native bf16: fp32"
+    cpu = cpu_profile()  # the oneDNN cap included: a cap below bf16 plays a CPU without it
+    return ("bf16-mixed" if cpu.native_bf16 else "32-true"), cpu.native_bf16_reason()
 
 
 def _check_args(

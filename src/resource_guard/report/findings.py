@@ -55,27 +55,55 @@ __all__ = [
     "RunStats",
     "RULES",
     "analyze",
+    "rank_key",
     "available_cores",
     "report_command",
 ]
 
 
 def _healthy(s: RunStats) -> Finding:
-    evidence = {"step_time_s": s.step_time_s, "data_wait_share": s.data_wait_share, "mfu": s.mfu}
+    evidence: dict[str, Any] = {
+        "step_time_s": s.step_time_s,
+        "data_wait_share": s.data_wait_share,
+        "mfu": s.mfu,
+    }
     mfu = f", MFU {s.mfu:.0%}" if s.mfu is not None else ""
     advice = (
         "No bottleneck found: the step is compute-bound. Scale the batch or the device for more speed.",
     )
-    return Finding("healthy", "info", f"Compute-bound (healthy){mfu}", evidence, advice)
+    title = f"Compute-bound (healthy){mfu}"
+    if s.phases and s.step_time_s:  # why: the step is its own compute, nothing else costs 10%
+        compute = sum(float(s.phases.get(p) or 0.0) for p in ("forward", "backward", "optimizer"))
+        evidence["compute_share"] = round(compute / s.step_time_s, 4)
+        title += f": forward, backward and the optimizer are {compute / s.step_time_s:.0%} of the step"
+    return Finding("healthy", "info", title, evidence, advice)
 
 
 def analyze(stats: RunStats, rules: tuple[Callable[[RunStats], Finding | None], ...] = RULES) -> Report:
-    """Run every rule over ``stats``; findings sorted by severity (critical first)."""
+    """Run every rule over ``stats``; findings ranked so that the first is the one to fix first
+    (:func:`rank_key`)."""
     found = [f for f in (rule(stats) for rule in rules) if f is not None]
     if not any(f.severity != "info" for f in found):
         found.insert(0, _healthy(stats))
-    found.sort(key=lambda f: -SEVERITIES.index(f.severity))
+    found.sort(key=lambda f: rank_key(f, stats.step_time_s))
     return Report(tuple(found), stats)
+
+
+_STOPS = ("oom", "shapes")  # the run stopped (or will): fixed before any speed-up matters
+
+
+def rank_key(finding: Finding, step_time_s: float | None) -> tuple[int, int, float]:
+    """Where ``finding`` goes: ``healthy`` first when present (only info findings beside it); then
+    critical ``oom`` and shape stops; then by the time the finding costs (the step minus its predicted
+    step), with findings that cost no measured time after those that do, each group by severity."""
+    severity = -SEVERITIES.index(finding.severity)
+    if finding.id == "healthy":
+        return (0, severity, 0.0)
+    if finding.id in _STOPS and finding.severity == "critical":
+        return (1, severity, 0.0)
+    if finding.severity != "info" and finding.predicted_step_s is not None and step_time_s:
+        return (2, 0, -(step_time_s - finding.predicted_step_s))
+    return (3, severity, 0.0)
 
 
 @dataclass(frozen=True)

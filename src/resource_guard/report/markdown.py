@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from resource_guard.devices import format_bytes
+from resource_guard.report.breakdown import breakdown_markdown
 from resource_guard.report.types import Finding, RunStats
 
 __all__ = ["format_value", "memory_note", "render_markdown", "summary_rows"]
@@ -101,6 +102,7 @@ def render_markdown(report: Rendered) -> str:
     ]
     lines += ["| metric | value |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in summary_rows(s)]
+    lines += ["", *breakdown_markdown(s)] if s.phases else []
     lines += ["", "## Findings", ""]
     for f in report.findings:
         lines += [f"### {f.id} ({f.severity})", "", f.title, ""]

@@ -19,6 +19,10 @@ raised a warning). The thresholds are module constants:
   estimate of that same quantity (the allocator model's allocated peak) by more than
   ``ESTIMATE_DRIFT_FRACTION`` (5%). Never on the CPU, whose measured figure is the process's RSS.
 - memory-growth, fragmentation: memory over time, in :mod:`resource_guard.report.memory_rules`.
+- optimizer-step, host-loop, evaluation, checkpoint-io, logging: where the step's time goes, from
+  ``RunStats.phases``, in :mod:`resource_guard.report.phase_rules` (with their thresholds).
+- casts, host-sync, threads, recompiles, comm-bound: op-level causes, in
+  :mod:`resource_guard.report.op_rules`.
 
 The rules are re-exported from :mod:`resource_guard.report.findings`.
 """
@@ -30,6 +34,8 @@ from typing import Any
 
 from resource_guard.devices import format_bytes
 from resource_guard.report.memory_rules import rule_fragmentation, rule_memory_growth
+from resource_guard.report.op_rules import OP_RULES
+from resource_guard.report.phase_rules import MIN_GAIN_SHARE, PHASE_RULES, faster_text
 from resource_guard.report.shape_findings import rule_shapes
 from resource_guard.report.types import Finding, RunStats
 
@@ -66,9 +72,15 @@ ESTIMATE_DRIFT_FRACTION = 0.05
 
 
 def rule_input_bound(s: RunStats) -> Finding | None:
-    """The loop waited for data for at least ``stall_threshold`` of its wall time."""
+    """The loop waited for data for at least ``stall_threshold`` of its wall time.
+
+    With the step split by phase (``s.phases``: the data wait is the loader's own ``__next__``) the wait
+    must also reach ``MIN_GAIN_SHARE``: what workers leave on the main thread (receiving each batch) is
+    of the order of collating an in-memory batch there, so a smaller wait is no gain worth a warning.
+    """
     share = s.data_wait_share
-    if share is None or share < s.stall_threshold:
+    threshold = s.stall_threshold if s.phases is None else max(s.stall_threshold, MIN_GAIN_SHARE)
+    if share is None or share < threshold:
         return None
     info = dict(s.loader_info)
     workers = info.get("num_workers")
@@ -120,7 +132,15 @@ def rule_input_bound(s: RunStats) -> Finding | None:
         "cpu_count": s.cpu_count,
     }
     title = f"Input-bound: {share:.0%} of the step time was spent waiting for the next batch"
-    return Finding("input-bound", severity, title, evidence, tuple(advice))
+    predicted = None
+    wait = s.phases.get("data_wait") if s.phases else s.data_wait_s
+    if s.step_time_s and wait is not None:
+        # workers load while the step computes: the wait goes, down to the step's own forward and backward
+        floor = sum(float((s.phases or {}).get(p) or 0.0) for p in ("forward", "backward"))
+        predicted = max(s.step_time_s - wait, floor, 1e-9)
+        title += f"; {faster_text(s.step_time_s, predicted)} without it"
+        evidence["predicted_step_s"] = predicted
+    return Finding("input-bound", severity, title, evidence, tuple(advice), predicted)
 
 
 def rule_launch_bound(s: RunStats) -> Finding | None:
@@ -296,6 +316,7 @@ RULES: tuple[Callable[[RunStats], Finding | None], ...] = (
     rule_oom,
     rule_shapes,
     rule_input_bound,
+    *PHASE_RULES,
     rule_launch_bound,
     rule_memory_pressure,
     rule_precision,
@@ -304,4 +325,5 @@ RULES: tuple[Callable[[RunStats], Finding | None], ...] = (
     rule_estimate_drift,
     rule_memory_growth,
     rule_fragmentation,
+    *OP_RULES,
 )

@@ -22,10 +22,14 @@ Example:
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
 import io
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ import numpy as np
 
 from resource_guard.devices import format_bytes
 from resource_guard.estimate import CATEGORIES
+from resource_guard.report.types import PHASES
 
 __all__ = [
     "TAG_PREFIX",
@@ -58,6 +63,8 @@ _CHARTS = {
         "memory/reserved_gap_bytes",
     ],
     "allocator retries": ["memory/alloc_retries"],
+    # one chart of the step by phase, seconds per step (observe/phases.py); the parts add up to the step
+    "step time by phase (s)": [f"phase/{p}_s" for p in PHASES],
     "GPU power and clock": ["gpu/power_w", "gpu/temperature_c", "gpu/sm_clock_mhz"],
 }
 _CAPACITY_COLOR = "#dc0000"
@@ -65,6 +72,8 @@ _CAPACITY_COLOR = "#dc0000"
 _CATEGORY_COLORS = ("C0", "C1", "C2", "C4", "C8", "C5", "C7", "C9", "C6", "C3")
 _MIN_LABELLED_SPAN = 0.06  # a phase shorter than this share of the step gets its line, not its name
 _OFF_SCALE = 4.0  # a capacity more than this many times the peak (a CPU's RAM) is written, not drawn
+_POLL_S = 0.05  # the flusher's own wake-up period: a boundary's events are written within this
+_DRAIN_TIMEOUT_S = 60.0  # a flusher that has not written a log interval's events in this long is stuck
 
 
 def custom_scalar_layout() -> dict[str, dict[str, list[Any]]]:
@@ -81,19 +90,29 @@ class TBLog:
 
     ``SummaryWriter`` queues events for a thread that writes them when it next runs (and flushes the
     file every ``flush_secs``, 120 by default): on a busy machine a fault could take logged scalars with
-    it. So every call here ends with a flush: it returns once the writer thread has written its events
-    to the file (handed to the OS, not fsync'd), and a writer thread that died on an I/O error raises in
-    the call that hit it. The cost is one wait for the writer thread per call, i.e. per log boundary.
+    it, and waiting for that thread at every log boundary costs the training loop a thread hand-off
+    (about a millisecond on a loaded 2-core machine). So with ``background=True`` (the default) each
+    call only hands its values to a flusher thread of this object, which writes them and flushes the
+    events file; the next call first waits until that is done (normally long done), so what was logged
+    is on disk by the next log boundary, and :meth:`close` (reached at the end of the run and on a
+    crash, through the monitor's ``close``) and the interpreter's exit drain it. A writer error raised
+    in the flusher raises in the next call (or :meth:`wait`, or :meth:`close`). ``background=False``
+    writes and flushes in the call itself.
 
     Args:
         writer: an existing ``SummaryWriter`` (not closed here); or ``None`` with ``log_dir``.
         log_dir: where to create a ``SummaryWriter`` when no ``writer`` is given.
+        background: write and flush on a flusher thread (see above).
     """
 
-    def __init__(self, writer: Any | None = None, log_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, writer: Any | None = None, log_dir: str | Path | None = None, *, background: bool = True
+    ) -> None:
         self._writer = writer
         self._log_dir = log_dir
         self._owned = False
+        self._flusher: _Flusher | None = None
+        self._background = background
 
     @property
     def writer(self) -> Any:
@@ -107,56 +126,67 @@ class TBLog:
             self._owned = True
         return self._writer
 
+    def _submit(self, job: Callable[[Any], None], *, flush: bool = True) -> None:
+        """Run ``job(writer)`` (and flush when ``flush``): on the flusher thread, or here."""
+        writer = self.writer
+        if not self._background:
+            job(writer)
+            if flush:
+                self._flush()
+            return
+        if self._flusher is None:
+            self._flusher = _Flusher(writer)
+        self._flusher.submit(job, flush=flush)
+
+    def wait(self) -> None:
+        """Return once everything handed over so far is written and flushed; raise a writer error."""
+        if self._flusher is not None:
+            self._flusher.wait()
+
     def layout(self) -> None:
-        self.writer.add_custom_scalars(custom_scalar_layout())
-        self._flush()
+        layout = custom_scalar_layout()
+        self._submit(lambda w: w.add_custom_scalars(layout))
 
     def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
         """Write ``values`` as ``resource_guard/<key>`` at ``step``; ``None`` and NaN are skipped.
 
         All values go into one event (one queue hand-off to the writer thread instead of one per tag,
-        which costs the training thread ~10x less); writers without that path get ``add_scalar`` calls.
+        which costs ~10x less); writers without that path get ``add_scalar`` calls.
         """
-        writer = self.writer
         kept = {TAG_PREFIX + k: float(v) for k, v in values.items() if v is not None and v == v}
-        file_writer = _file_writer(writer)
-        if file_writer is None:
-            for tag, value in kept.items():
-                writer.add_scalar(tag, value, step)
-        else:
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
-            values_pb = [Summary.Value(tag=tag, simple_value=value) for tag, value in kept.items()]
-            file_writer.add_summary(Summary(value=values_pb), step)
-        self._flush()
+        self._submit(lambda w: _write_scalars(w, step, kept))
 
     def text(self, tag: str, markdown: str, step: int = 0, *, flush: bool = True) -> None:
         """Write ``markdown`` as ``resource_guard/<tag>``; ``flush=False`` leaves it to the next call's
-        flush (one wait for the writer thread per log boundary, not one per call)."""
-        self.writer.add_text(TAG_PREFIX + tag, markdown, step)
-        if flush:
-            self._flush()
+        flush (one flush per log boundary, not one per call)."""
+        self._submit(lambda w: w.add_text(TAG_PREFIX + tag, markdown, step), flush=flush)
 
     def image(self, tag: str, image_hwc: np.ndarray, step: int = 0) -> None:
-        self.writer.add_image(TAG_PREFIX + tag, image_hwc, step, dataformats="HWC")
-        self._flush()
+        self._submit(lambda w: w.add_image(TAG_PREFIX + tag, image_hwc, step, dataformats="HWC"))
 
     def _flush(self) -> None:
         """Wait until the writer has written what it was given (writers without ``flush``: nothing)."""
-        flush = getattr(self._writer, "flush", None)
-        if callable(flush):
-            flush()
+        _flush_writer(self._writer)
 
     def close(self) -> None:
-        """Flush; close the writer only if this object created it (idempotent).
+        """Drain the flusher, flush; close the writer only if this object created it (idempotent).
 
         A writer of its own is closed even when it is broken (its events file unwritable, its thread
         dead): the error is raised after its thread and file have been let go of.
         """
+        flusher, self._flusher = self._flusher, None
         writer, self._writer = self._writer, None
         if writer is None:
             return
+        error: BaseException | None = None
+        if flusher is not None:
+            try:
+                flusher.stop()
+            except Exception as exc:
+                error = exc
         if not self._owned:
+            if error is not None:
+                raise error
             writer.flush()
             return
         try:
@@ -164,6 +194,112 @@ class TBLog:
         except Exception:
             _force_close(writer)
             raise
+        if error is not None:
+            raise error
+
+
+def _write_scalars(writer: Any, step: int, kept: Mapping[str, float]) -> None:
+    file_writer = _file_writer(writer)
+    if file_writer is None:
+        for tag, value in kept.items():
+            writer.add_scalar(tag, value, step)
+        return
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    values_pb = [Summary.Value(tag=tag, simple_value=value) for tag, value in kept.items()]
+    file_writer.add_summary(Summary(value=values_pb), step)
+
+
+def _flush_writer(writer: Any) -> None:
+    flush = getattr(writer, "flush", None)
+    if callable(flush):
+        flush()
+
+
+class _Flusher:
+    """A daemon thread that runs the jobs handed to it (writer calls), then flushes the writer.
+
+    It wakes on its own every ``_POLL_S`` (the training thread hands a job over with a deque append,
+    no thread wake-up, no lock); :meth:`submit` first makes sure the jobs handed over before it are
+    done (normally long done: the flusher had a whole log interval), waking the flusher and waiting
+    only when they are not, so that they are on disk by the next log boundary, and raises the error
+    of a job that failed. The interpreter's exit drains it (``atexit``).
+    """
+
+    def __init__(self, writer: Any) -> None:
+        self._writer = writer
+        self._jobs: collections.deque[tuple[Callable[[Any], None], bool]] = collections.deque()
+        self._submitted = 0
+        self._done = 0
+        self._wake = threading.Event()
+        self._finished = threading.Condition()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="resource_guard-tensorboard", daemon=True)
+        self._thread.start()
+        atexit.register(self._at_exit)
+
+    def submit(self, job: Callable[[Any], None], *, flush: bool) -> None:
+        self.wait()
+        self._submitted += 1
+        self._jobs.append((job, flush))
+
+    def wait(self) -> None:
+        """Return once every submitted job is done; raise the error of one that failed."""
+        if self._done < self._submitted:
+            deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+            with self._finished:
+                while self._done < self._submitted and self._thread.is_alive():
+                    self._wake.set()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(
+                            f"TensorBoard's events were not written within {_DRAIN_TIMEOUT_S} s"
+                        )
+                    self._finished.wait(min(left, _POLL_S))
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.wait(_POLL_S)
+            self._wake.clear()
+            self._drain()
+
+    def _drain(self) -> None:
+        done, flush = 0, False
+        try:
+            while self._jobs:
+                job, wants_flush = self._jobs.popleft()
+                done += 1
+                job(self._writer)
+                flush = flush or wants_flush
+            if flush:
+                _flush_writer(self._writer)
+        except BaseException as exc:  # handed to the training thread's next call
+            done += len(self._jobs)
+            self._jobs.clear()
+            self._error = exc
+        if done:
+            with self._finished:
+                self._done += done
+                self._finished.notify_all()
+
+    def stop(self) -> None:
+        """Write what is pending, stop the thread; raise an error the flusher met."""
+        atexit.unregister(self._at_exit)
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(_DRAIN_TIMEOUT_S)
+        self._drain()  # what the thread left (handed over after its last round)
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _at_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop()
 
 
 def _file_writer(writer: Any) -> Any:

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from resource_guard.devices import format_bytes
+from resource_guard.report.breakdown import PHASE_LABELS, PHASE_LETTERS, phase_line, phase_rows, stacked_bar
 from resource_guard.report.markdown import Rendered, format_value, memory_note, summary_rows
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from resource_guard.planning.nofit import NoFitReport
     from resource_guard.planning.planner import Plan
     from resource_guard.planning.search import Alternative
+    from resource_guard.report.types import RunStats
 
 __all__ = [
     "PIPE_WIDTH",
@@ -149,6 +151,7 @@ def render_report(report: Report, console: Console | None = None) -> None:
         if value != "-":  # unknown on this run: left out here, kept in report.md/report.json
             table.add_row(name, value)
     _print(console, table)
+    _render_breakdown(console, s)
     for f in report.findings:
         _print(console)
         _print(
@@ -182,10 +185,26 @@ def render_report(report: Report, console: Console | None = None) -> None:
         _print(console, _text(("note: ", "dim"), n))
 
 
+def _render_breakdown(console: Console, s: RunStats) -> None:
+    rows = phase_rows(s)
+    if not rows:
+        return
+    table = _table("phase", "ms/step", "share", right=(1, 2), title="Where the time goes")
+    for phase, seconds, share in rows:
+        table.add_row(PHASE_LABELS[phase], f"{seconds * 1e3:.2f}", f"{share:.1%}")
+    _print(console, table)
+    legend = ", ".join(f"{PHASE_LETTERS[p]} {PHASE_LABELS[p]}" for p, _, _ in rows)
+    _print(console, _text(f"  |{stacked_bar(s)}|  ", (legend, "dim")))
+
+
 def render_summary(report: Report, console: Console | None = None) -> None:
-    """The end-of-run summary of the front doors: one line, then each finding that is not healthy."""
+    """The end-of-run summary of the front doors: one line, the step's breakdown by phase, then each
+    finding that is not healthy."""
     console = console or make_console(stderr=True)
     _print(console, report.summary_line())
+    line = phase_line(report.stats)
+    if line:
+        _print(console, _text("  ", (line, "dim")))
     for f in report.findings:
         if f.id != "healthy":
             _print(

@@ -74,6 +74,17 @@ class ProfileSummary:
         misaligned_matmuls: ``(op, shapes)`` of matmuls with a matrix dimension not a multiple of 8.
         misaligned_matmul_us: time per step in those matmuls.
         top_ops: ``(op, calls, self_cpu_us)`` of the most expensive host-side ops, per step.
+        op_timeline: where :attr:`op_class_us` was read: ``"device"`` (kernel time) or ``"host"`` (ops'
+            self CPU time); ``None`` for a summary without classes.
+        op_class_us: ``(class, us per step)`` for every class of
+            :data:`resource_guard.observe.opclasses.OP_CLASSES` (matmul, attention, elementwise, casts,
+            optimizer, communication, sync, other).
+        syncs_per_step: host-device syncs per step (on a CPU run: scalar reads, which wait for nothing).
+        sync_idle_us: device idle time per step in the gaps the syncs opened.
+        sync_sites / cast_sites: ``(file:line, calls per step, us per step)`` of the user's lines that
+            led to syncs and to casts/copies (``with_stack``), most expensive first.
+        comm_us / exposed_comm_us: communication kernel time per step, and its part not overlapped by
+            compute (the ``communication`` phase).
         trace_path: the gzipped Chrome trace, or ``None`` (not written, or too large).
         notes: what went differently (trace deleted, window cut short).
     """
@@ -92,6 +103,20 @@ class ProfileSummary:
     top_ops: tuple[tuple[str, int, float], ...] = ()
     trace_path: str | None = None
     notes: tuple[str, ...] = field(default=())
+    op_timeline: str | None = None
+    op_class_us: tuple[tuple[str, float], ...] = ()
+    syncs_per_step: float = 0.0
+    sync_idle_us: float = 0.0
+    sync_sites: tuple[tuple[str, float, float], ...] = ()
+    cast_sites: tuple[tuple[str, float, float], ...] = ()
+    comm_us: float = 0.0
+    exposed_comm_us: float = 0.0
+
+    def class_share(self, name: str) -> float | None:
+        """The share of the recorded step's wall time in op class ``name`` (``None``: not measured)."""
+        if not self.step_wall_us or not self.op_class_us:
+            return None
+        return dict(self.op_class_us).get(name, 0.0) / self.step_wall_us
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -109,6 +134,14 @@ class ProfileSummary:
             "top_ops": [list(row) for row in self.top_ops],
             "trace_path": self.trace_path,
             "notes": list(self.notes),
+            "op_timeline": self.op_timeline,
+            "op_class_us": [list(row) for row in self.op_class_us],
+            "syncs_per_step": self.syncs_per_step,
+            "sync_idle_us": self.sync_idle_us,
+            "sync_sites": [list(row) for row in self.sync_sites],
+            "cast_sites": [list(row) for row in self.cast_sites],
+            "comm_us": self.comm_us,
+            "exposed_comm_us": self.exposed_comm_us,
         }
 
     @classmethod
@@ -117,7 +150,8 @@ class ProfileSummary:
         values["misaligned_matmuls"] = tuple(
             (op, tuple(tuple(s) for s in shapes)) for op, shapes in values.get("misaligned_matmuls", ())
         )
-        values["top_ops"] = tuple(tuple(row) for row in values.get("top_ops", ()))
+        for key in ("top_ops", "op_class_us", "sync_sites", "cast_sites"):
+            values[key] = tuple(tuple(row) for row in values.get(key, ()))
         values["notes"] = tuple(values.get("notes", ()))
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in values.items() if k in known})
@@ -209,6 +243,13 @@ class RunStats:
     expandable_segments: bool | None = None
     shapes: Mapping[str, Any] | None = None  # the front doors' shape guard: shapes seen, splits, stops
     phases: Mapping[str, float] | None = None  # mean seconds per step by phase (keys from PHASES)
+    # the optimizers' facts for the optimizer-step rule (observe/optimizer_facts.py): name, tensors,
+    # foreach, fused, for_loop (the implementation that runs), fused_available
+    optimizers: tuple[Mapping[str, Any], ...] = ()
+    # CPU threads (read at monitor start; observe/threads.py): intra-op threads, processes on this node,
+    # DataLoader workers, cores, and the measured slowdown at that thread count when oversubscribed
+    threads: Mapping[str, Any] | None = None
+    compile: Mapping[str, Any] | None = None  # torch.compile during the run (observe/dynamo.py)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -219,6 +260,9 @@ class RunStats:
         out["memory_growth"] = None if self.memory_growth is None else dict(self.memory_growth)
         out["shapes"] = None if self.shapes is None else dict(self.shapes)
         out["phases"] = None if self.phases is None else dict(self.phases)
+        out["optimizers"] = [dict(o) for o in self.optimizers]
+        out["threads"] = None if self.threads is None else dict(self.threads)
+        out["compile"] = None if self.compile is None else dict(self.compile)
         return out
 
     @classmethod
@@ -228,6 +272,7 @@ class RunStats:
         if values.get("profile") is not None:
             values["profile"] = ProfileSummary.from_dict(values["profile"])
         values["notes"] = tuple(values.get("notes", ()))
+        values["optimizers"] = tuple(values.get("optimizers", ()))
         return cls(**values)
 
 

@@ -20,9 +20,16 @@ where the step fails (it did, on an AMX Xeon). Hence the rule here:
 
 :func:`reduced_gemm_packs` tells whether reduced-precision GEMMs go through oneDNN, which packs
 operands into scratch, or through ATen's own loop, which allocates nothing (and is too slow to probe
-per shape). Every answer comes from a tiny real kernel, not from CPU flags: the flags do not say what
-this torch build's oneDNN does with them, and ``ONEDNN_MAX_CPU_ISA`` caps it below the hardware (the
-tests use that to play other CPUs).
+per shape).
+
+**One CPU profile.** These answers are host-dependent decisions, so they read the one CPU profile
+(:func:`~resource_guard.devices.cpu.cpu_profile`), which honours ``ONEDNN_MAX_CPU_ISA`` as
+oneDNN does. On the process's own profile every answer comes from a tiny real kernel (oneDNN applies the
+cap to the kernels too, so a cap plays a lower CPU here as well), and a test checks that the profile's
+rule (:meth:`~resource_guard.devices.cpu.CpuProfile.onednn_runs`) agrees with it on every CPU
+and cap CI meets. Under a played profile (:func:`~resource_guard.devices.cpu.play_cpu`) no real
+kernel can run another CPU, so :func:`reduced_gemm_packs` answers from that rule, while
+:func:`probe_recurrent`, which asks whether a kernel runs, answers for the process's own CPU and names it.
 
 Example:
     >>> import torch
@@ -45,7 +52,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from resource_guard.devices import cpu_summary
+from resource_guard.devices.cpu import cpu_profile, process_cpu_profile
 from resource_guard.estimate.host.measure import allocation_deltas
 from resource_guard.estimate.host.quiet import quiet_profile
 
@@ -220,7 +227,8 @@ def probe_recurrent(call: RecurrentCall) -> CpuKernelSupport:
     except (RuntimeError, NotImplementedError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0][:160]
         hint = _HINTS.get((call.mode, call.kernel_dtype))
-        why = f"{hint}; this CPU: {cpu_summary()}" if hint else f"this CPU: {cpu_summary()}"
+        cpu = process_cpu_profile().summary()  # the CPU the kernel ran on, even under a played profile
+        why = f"{hint}; this CPU: {cpu}" if hint else f"this CPU: {cpu}"
         return CpuKernelSupport(call.describe(), False, f"{why}; the kernel says: {first}")
     return CpuKernelSupport(call.describe(), True)
 
@@ -266,7 +274,8 @@ class CpuStepCheck:
             return
         dtype = next((t.dtype for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), None)
         call = f"{name} in {_dtype_name(dtype)}" if dtype is not None else name
-        reason = f"called outside {covered_by}, and no probe takes that path; this CPU: {cpu_summary()}"
+        cpu = cpu_profile().summary()
+        reason = f"called outside {covered_by}, and no probe takes that path; this CPU: {cpu}"
         self._add(CpuKernelSupport(call, None, reason))
 
     def _add(self, answer: CpuKernelSupport) -> None:
@@ -296,10 +305,15 @@ def reduced_gemm_packs(dtype: torch.dtype) -> bool:
     Probed once with a 64×64×64 matmul under the profiler: any allocation besides the output is
     scratch. ``False`` means ATen's own loop, which allocates nothing (an AVX2 CPU in bf16, most CPUs
     in fp16). If the probe cannot run (another profiler is active), ``True``: the per-shape probes,
-    or their rule of thumb, stand — and the next call probes again.
+    or their rule of thumb, stand — and the next call probes again. Under a played CPU profile
+    (:func:`~resource_guard.devices.cpu.play_cpu`), the profile's rule answers
+    (:meth:`~resource_guard.devices.cpu.CpuProfile.onednn_runs`; ``True`` where it is unknown).
     """
     if dtype not in _REDUCED:
         return False
+    profile = cpu_profile()
+    if profile.played:  # this process's oneDNN cannot run another CPU's kernels
+        return profile.onednn_runs(dtype) is not False
     try:
         return _reduced_gemm_packs(dtype)
     except RuntimeError:

@@ -13,9 +13,11 @@ operator's tensors, never the model's), its allocations read from torch.profiler
 and the answer cached by shape. Probes are skipped above ``PROBE_BUDGET_BYTES``; then a rule of thumb
 measured on the same kernels stands in (scaled by the operator's tensor bytes). Reduced-precision
 GEMMs are probed only where this CPU runs them through oneDNN
-(:func:`~resource_guard.estimate.host.cpu_support.reduced_gemm_packs`; ATen's own loop allocates nothing,
-and is too slow to probe), and a CPU flash attention costing more than ``PROBE_BUDGET_FLOPS`` is
-probed at one and two heads per thread and extrapolated (its scratch is affine in the heads).
+(:func:`~resource_guard.estimate.host.cpu_support.reduced_gemm_packs`, which reads the CPU profile; ATen's
+own loop allocates nothing, and is too slow to probe; under a played CPU profile whose oneDNN packs where
+this process's does not, the rule of thumb stands in), and a CPU flash attention costing more than
+``PROBE_BUDGET_FLOPS`` is probed at one and two heads per thread and extrapolated (its scratch is affine
+in the heads).
 
 These CPU kernels also stand in for the target's kernels (cuDNN keeps comparable workspaces); the
 allocator model in :mod:`resource_guard.estimate.allocation.allocator` adds what only CUDA has.
@@ -31,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from resource_guard.devices.cpu import cpu_profile
 from resource_guard.estimate.host.cpu_support import CpuStepCheck, reduced_gemm_packs
 from resource_guard.estimate.host.quiet import quiet_profile
 
@@ -258,9 +261,14 @@ def kernel_extra(
         copied = _blas_copy_bytes(func, args)
         dtype = next((t.dtype for t in args[:3] if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
         reduced = cpu and dtype in (torch.bfloat16, torch.float16) and reduced_gemm_packs(dtype)
-        if not reduced:
+        if not reduced or dtype is None:
             return KernelExtra(copied) if copied else None
-        extra = _probe_or_rule(func, args, kwargs, out, size_of, _REDUCED_GEMM_FACTOR)
+        if cpu_profile().played and not _process_gemm_packs(dtype):
+            # a played CPU whose oneDNN packs where this process's does not: a probe here would measure
+            # ATen's loop (nothing), so the rule of thumb stands in for the played CPU's packing
+            extra = _rule(args, kwargs, out, _REDUCED_GEMM_FACTOR)
+        else:
+            extra = _probe_or_rule(func, args, kwargs, out, size_of, _REDUCED_GEMM_FACTOR)
         return KernelExtra(max(extra.scratch_bytes, copied))
     if func in _CPU_ONLY and not cpu:
         return None
@@ -301,6 +309,16 @@ def _widening_extra(
     if func in (_aten.sum.dim_IntList, _aten.sum.default) and kwargs.get("dtype") in (None, self_.dtype):
         return None
     return _probe_or_rule(func, args, kwargs, out, size_of, 2.0)
+
+
+def _process_gemm_packs(dtype: torch.dtype) -> bool:
+    """Whether this process's own oneDNN packs ``dtype`` GEMMs (what a probe here would measure)."""
+    from resource_guard.estimate.host.cpu_support import _reduced_gemm_packs
+
+    try:
+        return _reduced_gemm_packs(dtype)
+    except RuntimeError:
+        return True
 
 
 def _low_precision(args: tuple) -> bool:

@@ -1,0 +1,444 @@
+"""The Hugging Face front door: :class:`ResourceGuardCallback` for ``transformers.Trainer``.
+
+At ``on_train_begin`` (the Trainer has built its optimizer and wrapped the model; no step has run) the
+callback traces the Trainer's own step (:mod:`~resource_guard.frontdoors.hf_step`) with the Trainer's
+model and optimizer on a batch of its train loader — the run's largest when it is knowable — and
+raises :class:`~resource_guard.errors.DoesNotFitError` with the report before step 0 when the
+configured ``per_device_train_batch_size`` does not fit (on any rank: the ranks agree with one
+collective). Plan the arguments beforehand with :func:`~resource_guard.frontdoors.hf_plan.plan_training_args`.
+
+The Trainer shows no callback its batches, so the callback watches the model: a forward pre-hook
+(``register_forward_pre_hook(with_kwargs=True)``, public PyTorch) sees each batch exactly as the model
+receives it, on the device, before it runs. In training mode the shape guard checks it and stops the
+run before a batch that would not fit (one agreement across ranks per batch under DDP, as in
+:mod:`~resource_guard.frontdoors.lightning_shapes`), and the monitor marks the batch ready; the step ends
+at ``on_substep_end`` / ``on_step_end``. In eval mode, the first batch of each evaluation is
+pre-flighted (:mod:`~resource_guard.frontdoors.eval_preflight`). The monitor
+(:class:`~resource_guard.RunMonitor`) writes the report to ``<output_dir>/resource_guard`` and its
+scalars into the Trainer's TensorBoard run; the summary is printed at ``on_train_end``. The run-time
+pieces (the hook object, accelerate's autocast wrapper taken off for a trace, the TensorBoard run, the
+monitor) are in :mod:`~resource_guard.frontdoors.hf_runtime`.
+
+Not covered: the Trainer has no exception hook, so a run that crashes for another reason (an OOM
+included) leaves the monitor unclosed and writes no report.
+
+Example:
+    >>> from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback
+    >>> callback = ResourceGuardCallback(memory_limit="8GiB", monitor=False)
+    >>> callback.plan is None
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from resource_guard.devices import parse_memory_limit
+from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
+from resource_guard.frontdoors import hf_step
+from resource_guard.frontdoors.eval_preflight import EvalPreflights
+from resource_guard.frontdoors.hf_plan import render, say
+from resource_guard.frontdoors.hf_runtime import (
+    ModelHook,
+    agree,
+    build_monitor,
+    checkpointed,
+    default_collator,
+    kept_message,
+    mib,
+    tensorboard_writer,
+    too_big_message,
+    without_accelerate_autocast,
+)
+from resource_guard.observe.profiling import ProfileWindow
+
+if TYPE_CHECKING:
+    from resource_guard.planning.planner import Plan
+
+__all__ = ["ResourceGuardCallback"]
+
+_TEXT_TAG = "resource_guard/plan"
+
+
+class ResourceGuardCallback(TrainerCallback):
+    """Pre-flight, shape guard, evaluation pre-flight and monitoring for a ``transformers.Trainer``.
+
+    Args:
+        device: the device to check against: default the Trainer's (``args.device``); a catalog name
+            checks as if training there.
+        memory_limit: check as if each device had only this much memory (bytes, or ``"6GiB"``).
+        headroom: share of the device memory kept free, in [0, 0.9).
+        max_seq_len / worst_case_batch: the run's largest batch (default: the collator's ``max_length``
+            or the dataset's length column when declared): the pre-flight is made for it.
+        check_shapes: check each training batch before it runs; ``False``: off.
+        check_eval: pre-flight the first batch of each evaluation; ``False``: off.
+        monitor: run-time monitoring and the report; ``False`` for none.
+        profile: ``True`` (default window), ``False``, or a
+            :class:`~resource_guard.observe.profiling.ProfileWindow`.
+        log_dir: where the report goes; default ``<args.output_dir>/resource_guard``.
+        loss_fn / compute_loss_func: as for :func:`~resource_guard.frontdoors.hf_plan.plan_training_args`.
+        verbose: print the pre-flight (process zero).
+
+    Attributes:
+        plan: the :class:`~resource_guard.Plan` of the configured step (``None`` before training).
+        report: the monitor's report once training ended.
+        eval_checks: the evaluation pre-flights made.
+        shape_stats: the shape guard's counts (shapes seen, batches checked, stops) once training ended.
+
+    Example:
+        >>> ResourceGuardCallback(headroom=0.95)
+        Traceback (most recent call last):
+        ...
+        resource_guard.errors.ConfigurationError: `ResourceGuardCallback(headroom=0.95)` must be in [0, 0.9).
+    """
+
+    def __init__(
+        self,
+        device: str | None = None,
+        memory_limit: int | str | None = None,
+        headroom: float = 0.1,
+        max_seq_len: int | None = None,
+        worst_case_batch: Any = None,
+        check_shapes: bool = True,
+        check_eval: bool = True,
+        monitor: bool = True,
+        profile: bool | ProfileWindow = True,
+        log_dir: str | os.PathLike[str] | None = None,
+        loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+        compute_loss_func: Callable[..., Any] | None = None,
+        verbose: bool = True,
+    ) -> None:
+        from resource_guard.frontdoors.shape_guard import check_worst_case_args
+
+        def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
+            return ConfigurationError(f"`ResourceGuardCallback({name}={value!r})` must be {allowed}.")
+
+        if device is not None and not (isinstance(device, str) and device.strip()):
+            raise bad("device", device, "a device name ('cpu', 'cuda:0', 'a100-40gb', ...) or None")
+        if memory_limit is not None:
+            parse_memory_limit(memory_limit, "ResourceGuardCallback")
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
+            raise bad("headroom", headroom, "in [0, 0.9)")
+        check_worst_case_args("ResourceGuardCallback", max_seq_len, check_shapes)
+        for name, value in (("check_eval", check_eval), ("monitor", monitor), ("verbose", verbose)):
+            if not isinstance(value, bool):
+                raise bad(name, value, "True or False")
+        if not isinstance(profile, (bool, ProfileWindow)):
+            raise bad("profile", profile, "True, False or a ProfileWindow")
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise bad("log_dir", log_dir, "a directory path or None")
+        for name, fn in (("loss_fn", loss_fn), ("compute_loss_func", compute_loss_func)):
+            if fn is not None and not callable(fn):
+                raise bad(name, fn, "a callable or None")
+        self.device, self.memory_limit, self.headroom = device, memory_limit, float(headroom)
+        self.max_seq_len, self.worst_case_batch = max_seq_len, worst_case_batch
+        self.check_shapes, self.check_eval, self.monitor = check_shapes, check_eval, monitor
+        self.profile, self.log_dir, self.verbose = profile, log_dir, verbose
+        self.loss_fn, self.compute_loss_func = loss_fn, compute_loss_func
+        self.plan: Plan | None = None
+        self.report: Any = None
+        self.shape_stats: dict[str, Any] | None = None
+        self._evals = EvalPreflights()
+        self._args: Any = None
+        self._model: nn.Module | None = None
+        self._hook: Any = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._loss: Any = None
+        self._keys: dict[str, tuple[torch.Size, torch.dtype]] = {}  # the planned batch's tensors
+        self._shapes: Any = None
+        self._monitor: Any = None
+        self._writer: Any = None
+        self._eval_pending = True
+        self._inside = False  # our own traces call the model: the hook ignores them
+
+    @property
+    def eval_checks(self) -> list[Any]:
+        return list(self._evals.checks)
+
+    # -- the Trainer's events --------------------------------------------------------------------
+    def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        """Watch the model from the start, so that an evaluation before any training is pre-flighted."""
+        self._args = args
+        if isinstance(model, nn.Module):
+            self._watch(model)
+
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        train_dataloader: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """The pre-flight of the configured step on every rank; ``DoesNotFitError`` before step 0."""
+        self._args = args
+        self._stop_run()
+        self.plan, self.report, self.shape_stats, self._eval_pending = None, None, None, True
+        if not isinstance(model, nn.Module) or optimizer is None or train_dataloader is None:
+            return
+        self._watch(model)
+        started = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            notes = self._preflight(args, model, optimizer, train_dataloader)
+        except Exception as failure:  # every rank must reach the agreement below, also after an error
+            error, notes = failure, []
+        error = agree(error)
+        if error is not None:
+            raise error
+        assert self.plan is not None
+        if self.verbose and args.process_index == 0:
+            say(self._render(args, time.perf_counter() - started, notes))
+        if self.monitor:
+            self._start_monitor(args, state, train_dataloader)
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._monitor is not None:
+            self._monitor.step_end()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._monitor is not None:
+            self._monitor.step_end()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._eval_pending = True  # the next evaluation's first batch is checked (once per shape)
+
+    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
+        self._eval_pending = True
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Write and print the report; the model stays watched for later evaluations."""
+        self._stop_run()
+
+    # -- the pre-flight --------------------------------------------------------------------------
+    def _preflight(self, args: Any, model: nn.Module, optimizer: Any, loader: Any) -> list[str]:
+        from resource_guard.frontdoors.shape_guard import start_shape_guard
+        from resource_guard.planning.planner import plan
+        from resource_guard.planning.worst_case import describe_signature, signature_of
+
+        self._optimizer = hf_step.unwrap_optimizer(optimizer)
+        self._loss = hf_step.trainer_loss(
+            model, args, compute_loss_func=self.compute_loss_func, loss_fn=self.loss_fn
+        )
+        step = hf_step.trainer_step(self._loss, args.max_grad_norm)
+        rows = args.per_device_train_batch_size
+        collate = getattr(loader, "collate_fn", None) or default_collator()
+        batch = hf_step.sample_batch(loader.dataset, collate, rows, args.device)
+        notes: list[str] = []
+        worst = None
+        if self.check_shapes:
+            worst = hf_step.worst_case_of(
+                batch, max_seq_len=self.max_seq_len, worst_case_batch=self.worst_case_batch,
+                collate=collate, dataset=loader.dataset,
+            )  # fmt: skip
+        if worst is not None:
+            batch = worst[0]
+            notes.append(
+                f"planned for the run's largest batch, {describe_signature(signature_of(batch))} ({worst[1]})"
+            )
+        if checkpointed(model):
+            notes.append(
+                "gradient checkpointing: the model's own (`gradient_checkpointing=True`), traced as it runs"
+            )
+        world = max(1, int(args.world_size))
+        precision = hf_step.precision_of(args) or "32-true"
+        with self._tracing(model):
+            made = plan(
+                model, [self._optimizer], batch, step, device=self.device or str(args.device),
+                target_batch_size=rows * world, headroom=self.headroom, precision=precision,
+                checkpointing=False, world_size=world, strategy="ddp" if world > 1 else "single",
+                memory_limit=self.memory_limit, allow_rough=True,
+            )  # fmt: skip
+        self.plan = made
+        acc = max(1, int(args.gradient_accumulation_steps))
+        if made.accumulation_steps == 1 and acc > 1:  # micro-steps 2..k start with the gradients allocated
+            kept = made.estimate.for_device(made.device, headroom=self.headroom, gradients_kept=True)
+            made = self.plan = dataclasses.replace(
+                made, accumulation_steps=acc, target_batch_size=rows * acc * world, fit=kept
+            )
+            if not kept.fits:
+                raise DoesNotFitError(kept_message(acc, kept, made.device.name), made)
+        elif made.accumulation_steps > 1:
+            raise DoesNotFitError(too_big_message(rows, acc, precision, made), made)
+        self._keys = {k: (v.shape, v.dtype) for k, v in batch.items() if isinstance(v, torch.Tensor)} if (
+            isinstance(batch, dict)
+        ) else {}  # fmt: skip
+        if self.check_shapes:
+            try:
+                with self._tracing(model):
+                    self._shapes, more = start_shape_guard(
+                        model, [self._optimizer], batch, step, made, traced_plan=True,
+                        trace_context=lambda: self._tracing(model),
+                    )  # fmt: skip
+                notes += [
+                    *more,
+                    "shape guard: each batch is checked before it runs; one that would not fit stops the run",
+                ]
+            except DoesNotFitError:
+                raise
+            except Exception as error:  # our check never stops the run
+                warnings.warn(
+                    f"ResourceGuardCallback: the shape check is off: {error!r}", ResourceGuardWarning, 3
+                )
+                self._shapes = None
+        if world > 1:
+            from resource_guard.frontdoors.shape_guard import agree_min
+
+            if agree_min(int(self._shapes is not None)) == 0:
+                self._shapes = None  # off on every rank alike: no rank waits in an agreement alone
+        self.plan = dataclasses.replace(made, reasons=(*made.reasons, *notes))
+        return notes
+
+    def _render(self, args: Any, seconds: float, notes: list[str]) -> str:
+        assert self.plan is not None
+        settings = {
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "bf16": bool(args.bf16),
+            "fp16": bool(args.fp16),
+            hf_step.checkpointing_fields(args)[0]: bool(getattr(args, hf_step.checkpointing_fields(args)[0])),
+        }
+        made, acc = self.plan, args.gradient_accumulation_steps
+        ckpt = self._model is not None and checkpointed(self._model)
+        head = (
+            f"ResourceGuard pre-flight of the Trainer's step ({seconds:.1f} s): per-device batch "
+            f"{made.micro_batch_size} × accumulation {acc} × world size {made.world_size} = "
+            f"{made.micro_batch_size * acc * made.world_size}; precision {made.precision}; gradient "
+            f"checkpointing {'on' if ckpt else 'off'}: "
+            f"{mib(made.fit.device_total_bytes)} of {mib(made.fit.usable_bytes)} usable, fits"
+        )
+        return render(made, settings, seconds, head)
+
+    @contextlib.contextmanager
+    def _tracing(self, model: nn.Module) -> Iterator[None]:
+        """Our own traces: the hook ignores them; the Trainer's autocast (when a check runs inside its
+        forward) is off, as the estimate emulates the precision itself; grad mode on (the estimates
+        trace a step and decide eval mode themselves)."""
+        inside, self._inside = self._inside, True
+        try:
+            with contextlib.ExitStack() as stack:
+                for kind in ("cpu", "cuda"):
+                    if torch.is_autocast_enabled(kind):
+                        stack.enter_context(torch.autocast(kind, enabled=False))
+                stack.enter_context(without_accelerate_autocast(model))
+                stack.enter_context(torch.enable_grad())  # an evaluation loop runs under no_grad
+                yield
+        finally:
+            self._inside = inside
+
+    # -- the batches, seen by the model ------------------------------------------------------------
+    def _watch(self, model: nn.Module) -> None:
+        if self._model is model and self._hook is not None:
+            return
+        if self._hook is not None:
+            self._hook.remove()
+        self._model = model
+        self._hook = model.register_forward_pre_hook(ModelHook(self._before_forward), with_kwargs=True)
+
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._inside or module is not self._model:
+            return
+        if not module.training:
+            if self.check_eval and self._eval_pending:
+                self._eval_pending = False
+                self._preflight_eval(module, kwargs)
+            return
+        batch = self._as_planned(kwargs)
+        if self._shapes is not None and batch is not None:
+            try:
+                with self._tracing(module):
+                    self._shapes.stop_if_too_big(batch)
+            except DoesNotFitError as error:
+                self._stop_run(error)
+                raise
+        if self._monitor is not None:
+            self._monitor.batch_ready(batch if batch is not None else kwargs)
+
+    def _as_planned(self, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The forward's keyword tensors as the planned batch had them: the Trainer's extra arguments
+        (``num_items_in_batch``) left out; labels the Trainer took out for its own loss (label smoothing)
+        put back as the tensor of the planned batch's shape and dtype (``input_ids``) the forward has.
+        ``None`` when the batch cannot be matched (the check then skips it)."""
+        if not self._keys:
+            return None
+        batch: dict[str, Any] = {}
+        for key, planned in self._keys.items():
+            if key in kwargs:
+                batch[key] = kwargs[key]
+                continue
+            twin = next((k for k, p in self._keys.items() if k in kwargs and p == planned), None)
+            if twin is None:
+                return None
+            batch[key] = kwargs[twin]
+        return batch
+
+    def _preflight_eval(self, model: nn.Module, kwargs: dict[str, Any]) -> None:
+        from resource_guard.devices import resolve_device
+
+        args = self._args
+        if args is None or not kwargs:
+            return
+        made = self.plan
+        spec = made.device if made is not None else resolve_device(self.device or str(args.device))
+        if made is None and self.memory_limit is not None:
+            spec = spec.with_memory(parse_memory_limit(self.memory_limit, "ResourceGuardCallback"))
+        loss = self._loss or hf_step.trainer_loss(
+            model, args, compute_loss_func=self.compute_loss_func, loss_fn=self.loss_fn
+        )
+        batch = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+        try:
+            with self._tracing(model):
+                check = self._evals.check(
+                    model, batch, loss, loop="evaluation", device=spec,
+                    optimizer=self._optimizer if made is not None else None, gradients_kept=False,
+                    precision=hf_step.precision_of(args) or "32-true", headroom=self.headroom,
+                )  # fmt: skip
+        except DoesNotFitError as error:
+            self._stop_run(error)
+            raise
+        if check is None:
+            return
+        if self.verbose and args.process_index == 0:
+            say(f"ResourceGuard: {check.line()}")
+        if self._monitor is not None:
+            self._monitor.note(check.line())
+
+    # -- monitoring ------------------------------------------------------------------------------
+    def _start_monitor(self, args: Any, state: Any, loader: Any) -> None:
+        assert self.plan is not None
+        if args.process_index == 0 and "tensorboard" in (args.report_to or []):
+            self._writer = tensorboard_writer(args)
+        if self._writer is not None:
+            with contextlib.suppress(Exception):  # a broken writer is the monitor's to report
+                head, _, rest = self._render(args, 0.0, []).partition("\n")
+                self._writer.add_text(_TEXT_TAG, f"{head}\n\n{rest}", state.global_step)
+        log_dir = self.log_dir or os.path.join(args.output_dir, "resource_guard")
+        self._monitor = build_monitor(
+            args, state, self.plan, log_dir, self.profile, self._writer, self._shapes
+        )
+        self._monitor.start()
+
+    def _stop_run(self, exc: BaseException | None = None) -> None:
+        """Close the monitor (the report is written and printed) and its writer. Safe to call twice."""
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            self.report = monitor.close(exc)
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.close()
+        if self._shapes is not None:
+            self.shape_stats = self._shapes.stats()
+        self._shapes = None

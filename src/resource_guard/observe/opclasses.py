@@ -1,0 +1,344 @@
+"""Where a profiled step's time goes, by class of operation: the profiler window's events grouped into
+matmul/conv, attention, elementwise, casts and copies, optimizer, communication and host-device syncs,
+with the user's call sites of syncs and casts, the communication not hidden by compute and the device
+idle time that syncs cause. Framework-free (no torch import): it reads :class:`EventRecord`\\ s, which
+:mod:`resource_guard.observe.profiling` makes from ``torch.profiler`` and
+:mod:`resource_guard.observe.chrome_trace` from a recorded Chrome trace.
+
+The classification is the table :data:`PATTERNS`: ``(class, where, regex, source)`` rows, first match
+wins, ``where`` being ``"host"`` (a CPU op: ``aten::…`` names, record functions, CUDA runtime calls)
+or ``"device"`` (a GPU kernel or copy). Host ops inside an ``Optimizer.step#…`` or
+``Optimizer.zero_grad#…`` span count as ``optimizer`` whatever they are (the for-each and for-loop
+paths run elementwise ops). A step's classes are read from the device timeline when the window saw
+device activity (kernel time), else from the host's (ops' self CPU time); syncs are always host time
+(the host blocked in them).
+
+Example:
+    >>> classify("aten::addmm", on_device=False), classify("aten::_to_copy", on_device=False)
+    ('matmul', 'casts')
+    >>> classify("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*)", on_device=True)
+    'communication'
+    >>> user_frame(("torch/nn/modules/module.py(1775): _call_impl", "train.py(42): step"))
+    'train.py:42 (step)'
+
+A Python frame of the profiler's stack (``with_stack``) is named by the line its function starts at
+(or, for a frame already running when the window opened, the line it was at then): a call site is
+the user's function and file, e.g. ``train.py:40 (train_step)``, the function that made the call.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "OP_CLASSES",
+    "PATTERNS",
+    "SYNC_CALLS",
+    "EventRecord",
+    "OpBreakdown",
+    "classify",
+    "user_frame",
+    "op_breakdown",
+]
+
+# The classes, in report order. ``matmul`` includes convolutions (both are GEMMs on the device);
+# ``sync`` is time the host spent blocked waiting for the device (on a CPU-only run, the scalar reads
+# that would be syncs on a GPU: cheap there, they wait for nothing).
+OP_CLASSES = (
+    "matmul",
+    "attention",
+    "elementwise",
+    "casts",
+    "optimizer",
+    "communication",
+    "sync",
+    "other",
+)
+
+# (class, where, pattern, source). First match wins, so the specific rows come first: flash-attention
+# kernels contain "cutlass", optimizer kernels are elementwise, NCCL kernels are on their own stream.
+PATTERNS: tuple[tuple[str, str, str, str], ...] = (
+    # host-device syncs: the CUDA runtime calls that block the host until the device has finished
+    # (a `.item()` or `.cpu()` runs aten::_local_scalar_dense / a D2H cudaMemcpyAsync followed by
+    # cudaStreamSynchronize); CUDA runtime API reference, "synchronous" calls
+    ("sync", "host", r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$", "CUDA runtime API"),
+    ("sync", "host", r"^aten::(item|_local_scalar_dense)$", "aten native_functions.yaml"),
+    ("communication", "host", r"^(c10d::|nccl:|gloo:|record_param_comms)", "torch.distributed c10d"),
+    ("communication", "device", r"(?i)nccl", "NCCL kernel names (ncclKernel_*, ncclDevKernel_*)"),
+    ("optimizer", "host", r"^(aten::_foreach_|aten::_fused_(adam|sgd|adagrad))", "torch.optim"),
+    ("optimizer", "device", r"multi_tensor_apply|fused_adam|FusedAdam|fused_sgd", "torch.optim kernels"),
+    ("casts", "host", r"^aten::(copy_|to|_to_copy|type_as|_autocast_to_reduced_precision)$", "aten"),
+    ("casts", "device", r"^Memcpy DtoD|copy_kernel|direct_copy", "ATen Copy.cu / CUDA memcpy"),
+    (
+        "attention",
+        "host",
+        r"^aten::(_?scaled_dot_product|_flash_attention|_efficient_attention|_cudnn_attention)",
+        "aten SDPA backends",
+    ),
+    ("attention", "device", r"(?i)flash|fmha|attention|attn", "FlashAttention / xformers / cuDNN SDPA"),
+    (
+        "matmul",
+        "host",
+        r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|addmv|mv|dot|einsum|"
+        r"(_|mkldnn_|cudnn_|miopen_)?convolution(_backward)?|conv[123]d|_convolution|conv_transpose[123]d)$",
+        "aten BLAS and convolution ops",
+    ),
+    (
+        "matmul",
+        "device",
+        r"(?i)gemm|gemv|cutlass|xmma|cublas|winograd|implicit_convolve|conv2d|fprop|dgrad|wgrad",
+        "cuBLAS / CUTLASS / cuDNN kernel names",
+    ),
+    ("elementwise", "host", r"^aten::", "every other aten op (pointwise, reductions, norms, indexing)"),
+    ("elementwise", "device", r"(?i)elementwise|reduce|norm|softmax|kernel", "ATen CUDA kernels"),
+)
+_COMPILED = tuple((cls, where, re.compile(pattern)) for cls, where, pattern, _ in PATTERNS)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+_OPTIMIZER_SPAN = re.compile(r"^Optimizer\.(step|zero_grad)#")
+# frames that are not the user's: the libraries between the user's line and the op
+_LIBRARY_FRAME = re.compile(
+    r"^(<built-in|<frozen)|(^|/)(torch|torchvision|lightning|lightning_fabric|pytorch_lightning|"
+    r"resource_guard|typing|contextlib|functools|threading)(/|\.py)"
+)
+_FRAME = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\)(: (?P<fn>.+))?$")
+_MAX_SITES = 5
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """One profiler event, reduced to what the summaries read (a seam for tests and recorded traces).
+
+    Attributes:
+        name: op, kernel, runtime call, ``ProfilerStep#N`` or Python frame (``file.py(12): fn``).
+        on_device: a device event (kernel, copy, memset).
+        duration_us: self time for host ops (children excluded), duration for device events and steps.
+        input_shapes / input_dtypes: as ``record_shapes`` gives them.
+        start_us: start on the profiler's clock (``None``: unknown; the timeline analyses skip it).
+        total_us: inclusive duration (host spans; ``None``: ``duration_us``).
+        thread: host thread id (spans enclose ops of their own thread only).
+        python: a Python frame (``with_stack``), not an op.
+    """
+
+    name: str
+    on_device: bool
+    duration_us: float
+    input_shapes: tuple[tuple[int, ...], ...] = ()
+    input_dtypes: tuple[str, ...] = ()
+    start_us: float | None = None
+    total_us: float | None = None
+    thread: int = 0
+    python: bool = False
+
+    @property
+    def end_us(self) -> float | None:
+        if self.start_us is None:
+            return None
+        return self.start_us + (self.total_us if self.total_us is not None else self.duration_us)
+
+
+def classify(name: str, *, on_device: bool) -> str:
+    """The class (one of :data:`OP_CLASSES`) of an op or kernel name, by :data:`PATTERNS`."""
+    where = "device" if on_device else "host"
+    for cls, kind, pattern in _COMPILED:
+        if kind == where and pattern.search(name):
+            return cls
+    return "other"
+
+
+def user_frame(stack: Sequence[str]) -> str | None:
+    """The innermost frame of ``stack`` (innermost first) that is the user's, as ``file:line (function)``.
+
+    Frames of torch, Lightning, resource_guard, built-ins and the standard library's plumbing are
+    skipped: the line that matters is the user's call that led to the op.
+    """
+    for frame in stack:
+        if _LIBRARY_FRAME.search(frame):
+            continue
+        match = _FRAME.match(frame)
+        if match:
+            where = f"{match['file']}:{match['line']}"
+            return f"{where} ({match['fn']})" if match["fn"] else where
+    return None
+
+
+@dataclass(frozen=True)
+class OpBreakdown:
+    """The window's time by class, per step (see :func:`op_breakdown`).
+
+    Attributes:
+        timeline: ``"device"`` (kernel time) or ``"host"`` (ops' self CPU time).
+        class_us: microseconds per step by class, every class of :data:`OP_CLASSES`.
+        syncs: host-device syncs per step (blocking CUDA runtime calls; on a host timeline, scalar
+            reads such as ``aten::item``, which wait for nothing there).
+        sync_idle_us: device idle time per step in the gaps that syncs opened (the device ran dry while
+            the host waited and then launched again): what removing the syncs gives back.
+        sync_sites / cast_sites: ``(file:line, calls per step, us per step)``, most expensive first.
+        comm_us / exposed_comm_us: communication kernel time per step, and the part of it no compute
+            kernel overlapped.
+    """
+
+    timeline: str
+    class_us: tuple[tuple[str, float], ...]
+    syncs: float = 0.0
+    sync_idle_us: float = 0.0
+    sync_sites: tuple[tuple[str, float, float], ...] = ()
+    cast_sites: tuple[tuple[str, float, float], ...] = ()
+    comm_us: float = 0.0
+    exposed_comm_us: float = 0.0
+
+
+def op_breakdown(events: Iterable[EventRecord], steps: int) -> OpBreakdown:
+    """Group a window's events by class, per step (a pure function of the events).
+
+    Args:
+        events: the window's records (steps, ops, runtime calls, kernels, Python frames).
+        steps: steps in the window (the per-step divisor).
+    """
+    per = max(steps, 1)
+    evs = [e for e in events if not e.name.startswith("ProfilerStep")]
+    device = [e for e in evs if e.on_device]
+    host = [e for e in evs if not e.on_device and not e.python]
+    on_device = any(not e.name.startswith("Memset") for e in device)
+    totals = dict.fromkeys(OP_CLASSES, 0.0)
+    optimizer_ops, sites = _enclosures(evs)
+    sync_sites: dict[str, list[float]] = {}
+    cast_sites: dict[str, list[float]] = {}
+    syncs = 0
+    sync_ends: list[float] = []
+    for ev in host:
+        cls = classify(ev.name, on_device=False)
+        site = sites.get(id(ev))
+        if cls == "sync":
+            # a GPU run's sync is the blocking runtime call (inside aten::item, .cpu(), …); a CPU
+            # run has none, and its scalar reads (aten::item, one per .item()) are counted instead
+            is_sync = ev.name in SYNC_CALLS if on_device else ev.name == "aten::item"
+            if on_device and not is_sync:
+                continue  # aten::item's own overhead: host time, not the device timeline's
+            if is_sync:
+                syncs += 1
+                _add(sync_sites, site, ev.duration_us, 1)
+                if ev.end_us is not None:
+                    sync_ends.append(ev.end_us)
+            totals["sync"] += ev.duration_us
+            continue
+        if cls == "casts":  # aten::to > _to_copy > copy_: one call per copy_, the time of all three
+            _add(cast_sites, site, ev.duration_us, int(ev.name == "aten::copy_"))
+        if id(ev) in optimizer_ops and cls != "communication":
+            cls = "optimizer"
+        if not on_device:
+            totals[cls] += ev.duration_us
+    comm: list[tuple[float, float]] = []
+    compute: list[tuple[float, float]] = []
+    for ev in device:
+        cls = classify(ev.name, on_device=True)
+        if on_device:
+            totals[cls] += ev.duration_us
+        if ev.start_us is None or ev.name.startswith(("Memcpy", "Memset")):
+            continue
+        (comm if cls == "communication" else compute).append((ev.start_us, ev.start_us + ev.duration_us))
+    comm_union, compute_union = _union(comm), _union(compute)
+    comm_us = _measure(comm_union)
+    exposed = comm_us - _measure(_intersect(comm_union, compute_union))
+    busy = _union([(e.start_us, e.start_us + e.duration_us) for e in device if e.start_us is not None])
+    return OpBreakdown(
+        timeline="device" if on_device else "host",
+        class_us=tuple((c, totals[c] / per) for c in OP_CLASSES),
+        syncs=syncs / per,
+        sync_idle_us=_idle_after(busy, sync_ends) / per if on_device else 0.0,
+        sync_sites=_top(sync_sites, per),
+        cast_sites=_top(cast_sites, per),
+        comm_us=comm_us / per,
+        exposed_comm_us=max(0.0, exposed) / per,
+    )
+
+
+def _add(table: dict[str, list[float]], site: str | None, us: float, calls: int) -> None:
+    row = table.setdefault(site or "(no user frame recorded)", [0.0, 0.0])
+    row[0] += calls
+    row[1] += us
+
+
+def _top(table: dict[str, list[float]], per: int) -> tuple[tuple[str, float, float], ...]:
+    rows = sorted(table.items(), key=lambda kv: -kv[1][1])[:_MAX_SITES]
+    return tuple((site, n / per, round(us / per, 1)) for site, (n, us) in rows)
+
+
+def _enclosures(events: list[EventRecord]) -> tuple[set[int], dict[int, str]]:
+    """Per host op: whether an optimizer span encloses it, and its innermost user Python frame.
+
+    One sweep per thread over the spans in start order, keeping the open ones on a stack.
+    """
+    optimizer: set[int] = set()
+    sites: dict[int, str] = {}
+    by_thread: dict[int, list[EventRecord]] = {}
+    for ev in events:
+        if not ev.on_device and ev.start_us is not None:
+            by_thread.setdefault(ev.thread, []).append(ev)
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e.start_us, -(e.end_us or 0.0)))
+        open_spans: list[tuple[float, EventRecord, str | None]] = []
+        open_optimizer = 0
+        for ev in evs:
+            start = ev.start_us or 0.0
+            while open_spans and open_spans[-1][0] <= start:
+                _, closed, _ = open_spans.pop()
+                if _OPTIMIZER_SPAN.match(closed.name):
+                    open_optimizer -= 1
+            if ev.python:
+                frame = None if _LIBRARY_FRAME.search(ev.name) else user_frame((ev.name,))
+                open_spans.append((ev.end_us or start, ev, frame))
+                continue
+            if open_optimizer:
+                optimizer.add(id(ev))
+            site = next((f for _, _, f in reversed(open_spans) if f is not None), None)
+            if site is not None:
+                sites[id(ev)] = site
+            if _OPTIMIZER_SPAN.match(ev.name):
+                open_optimizer += 1
+                open_spans.append((ev.end_us or start, ev, None))
+    return optimizer, sites
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _measure(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if a < b:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _idle_after(busy: list[tuple[float, float]], sync_ends: list[float]) -> float:
+    """Device idle time in the gaps of ``busy`` (a sorted union) that a sync ended in: the device ran
+    dry while the host waited, and stayed idle until the host launched again. Each gap counts once."""
+    if len(busy) < 2:
+        return 0.0
+    starts = [a for a, _ in busy]
+    gaps: set[int] = set()
+    for t in sync_ends:
+        k = bisect.bisect_right(starts, t)  # busy[k - 1] starts at or before t
+        if 0 < k < len(busy) and busy[k - 1][1] <= t:
+            gaps.add(k)
+    return sum(busy[k][0] - busy[k - 1][1] for k in gaps)

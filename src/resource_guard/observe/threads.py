@@ -1,0 +1,129 @@
+"""How many CPU threads a run asks for, against the cores it may use, and what the excess costs.
+
+:func:`thread_demand` is read when monitoring starts: torch's intra-op threads, the processes of
+this node (``LOCAL_WORLD_SIZE`` as torchrun and Lightning set it, else the world size) and the
+DataLoader workers (each worker runs torch with one thread: ``torch.utils.data`` sets it). When the
+demand exceeds the cores, :func:`oversubscription_slowdown` measures, once at the end of the run, how
+much slower a small parallel workload (matmuls and elementwise ops) runs at the run's thread count
+than at a count that fits: the ``threads`` finding's measured cost. Nothing here runs when the
+demand fits.
+
+Example:
+    >>> d = thread_demand(intra_op=16, processes=1, workers=0, cores=2)
+    >>> d.threads, d.fitting_threads, d.oversubscribed
+    (16, 2, True)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ThreadDemand", "thread_demand", "local_processes", "oversubscription_slowdown"]
+
+_PROBE_REPEATS = 3
+_PROBE_ROUNDS = 2  # at least
+_PROBE_MAX_ROUNDS = 8
+_PROBE_BUDGET_S = 0.5  # more rounds while within it
+
+
+@dataclass(frozen=True)
+class ThreadDemand:
+    """Threads a run keeps busy on this node vs the cores available to it.
+
+    Attributes:
+        intra_op: ``torch.get_num_threads()`` of this process.
+        processes: training processes on this node.
+        workers: DataLoader worker processes per training process (one thread each).
+        cores: cores available to this process (affinity), ``None`` when unknown.
+    """
+
+    intra_op: int
+    processes: int
+    workers: int
+    cores: int | None
+
+    @property
+    def threads(self) -> int:
+        """Threads that compete for the cores: (intra-op + workers) × processes."""
+        return (self.intra_op + self.workers) * self.processes
+
+    @property
+    def fitting_threads(self) -> int:
+        """The intra-op thread count per process that fits: the cores shared by the processes, less
+        the workers (at least 1)."""
+        if self.cores is None:
+            return self.intra_op
+        return max(1, self.cores // self.processes - self.workers)
+
+    @property
+    def oversubscribed(self) -> bool:
+        return self.cores is not None and self.threads > self.cores
+
+    def to_dict(self) -> dict[str, int | None]:
+        return {
+            "intra_op_threads": self.intra_op,
+            "processes": self.processes,
+            "workers": self.workers,
+            "cores": self.cores,
+            "threads": self.threads,
+            "fitting_threads": self.fitting_threads,
+        }
+
+
+def local_processes(world_size: int) -> int:
+    """Training processes on this node: ``LOCAL_WORLD_SIZE`` when set (torchrun, Lightning), else
+    ``world_size`` (one node)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else max(1, world_size)
+
+
+def thread_demand(*, intra_op: int, processes: int, workers: int, cores: int | None) -> ThreadDemand:
+    """The run's :class:`ThreadDemand` (pure)."""
+    return ThreadDemand(max(1, intra_op), max(1, processes), max(0, workers), cores)
+
+
+def _workload() -> None:
+    a = torch.ones(192, 192)
+    for _ in range(4):
+        a = torch.mm(a, a).mul_(1e-3).add_(1.0)
+    torch.ones(1 << 18).mul_(2.0).add_(1.0).sum()
+
+
+def _best(threads: int) -> float:
+    torch.set_num_threads(threads)
+    for _ in range(2):  # the first runs after a change of thread count pay for the pool's resize
+        _workload()
+    best = float("inf")
+    for _ in range(_PROBE_REPEATS):
+        t = time.perf_counter()
+        _workload()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def oversubscription_slowdown(demand: ThreadDemand) -> float | None:
+    """How many times slower the probe workload runs at ``demand.intra_op`` threads than at
+    ``demand.fitting_threads`` (``None`` when they are equal): the best of a few rounds of each.
+    Restores the thread count; a fraction of a second, run once at
+    the end of an oversubscribed run."""
+    fit = demand.fitting_threads
+    if fit >= demand.intra_op:
+        return None
+    before = torch.get_num_threads()
+    slow = fast = float("inf")
+    deadline = time.perf_counter() + _PROBE_BUDGET_S
+    try:
+        # rounds of both counts until the budget is spent, the best of each: on a shared machine a
+        # round of the fitting count can lose its cores to other processes for a while
+        for i in range(_PROBE_MAX_ROUNDS):
+            fast = min(fast, _best(fit))
+            slow = min(slow, _best(demand.intra_op))
+            if i + 1 >= _PROBE_ROUNDS and time.perf_counter() > deadline:
+                break
+    finally:
+        torch.set_num_threads(before)
+    return slow / fast if fast > 0 else None

@@ -1,0 +1,250 @@
+"""The report's rules on op-level causes: ``casts``, ``host-sync``, ``threads``, ``recompiles`` and
+``comm-bound``. Each is a pure ``RunStats -> Finding | None`` (appended to
+:data:`resource_guard.report.rules.RULES`), states its measured share of the step (an evidence key
+ending in ``share``) and the step time predicted without its cause (``predicted_step_s``, "about N%
+faster"). The thresholds, each with its reason:
+
+- casts: copies and dtype casts (``aten::copy_``, ``aten::to``, ``_to_copy``; on a GPU copy kernels
+  and device-to-device copies) >= ``CASTS_SHARE`` of the profiled step.
+- host-sync: on a GPU timeline only, device idle time in the gaps opened by host-device syncs >=
+  ``HOST_SYNC_SHARE``. On a CPU a ``.item()`` reads memory and waits for nothing: no finding.
+- threads: (intra-op threads + DataLoader workers) × processes above the cores, and a measured slowdown
+  at that thread count that costs >= ``THREADS_SHARE`` of the step (an ``info`` when not measured).
+- recompiles: torch.compile recompilations whose compile time is >= ``RECOMPILE_SHARE`` of the run's
+  wall time; graph breaks or cheaper recompilations are ``info``.
+- comm-bound: exposed communication (not overlapped by compute kernels) >= ``COMM_BOUND_SHARE``.
+
+Example:
+    >>> from resource_guard.report.types import ProfileSummary
+    >>> p = ProfileSummary(steps=3, step_wall_us=10_000.0, op_timeline="host",
+    ...                    op_class_us=(("matmul", 5000.0), ("casts", 3000.0)),
+    ...                    cast_sites=(("train.py:12 (step)", 4.0, 3000.0),))
+    >>> f = rule_casts(RunStats(step_time_s=0.01, profile=p))
+    >>> f.id, f.evidence["casts_share"], round(f.predicted_step_s, 4)
+    ('casts', 0.3, 0.007)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from resource_guard.report.types import Finding, RunStats
+
+__all__ = [
+    "CASTS_SHARE",
+    "HOST_SYNC_SHARE",
+    "THREADS_SHARE",
+    "RECOMPILE_SHARE",
+    "COMM_BOUND_SHARE",
+    "OP_RULES",
+    "rule_casts",
+    "rule_host_sync",
+    "rule_threads",
+    "rule_recompiles",
+    "rule_comm_bound",
+]
+
+# Under autocast every op casts its inputs, so a mixed-precision step always spends some time in
+# copies; from a tenth of the step the weights' per-step casts (or a cast inside the loop) dominate
+# them, and keeping the weights in the compute dtype gives back a difference a user can measure.
+CASTS_SHARE = 0.10
+# A sync per step drains the GPU's queue once (tens of microseconds of launch latency); from 5% of the
+# step, the rule of thumb the input-bound finding also uses, the idle gaps are worth a code change.
+HOST_SYNC_SHARE = 0.05
+# Oversubscribed threads cost the context switches and spin-waits of every parallel region; 5% is the
+# smallest slowdown the end-of-run probe resolves reliably on a loaded machine.
+THREADS_SHARE = 0.05
+# Compilation is expected once; recompiles that cost 5% of the run's wall time are a pattern (dynamic
+# shapes, changing Python values), not the one-time warm-up.
+RECOMPILE_SHARE = 0.05
+# The last DDP bucket is never overlapped (6–8% of a step in published traces); from 5% exposed, the
+# bucket size and overlap settings are worth checking.
+COMM_BOUND_SHARE = 0.05
+
+
+def _step_s(s: RunStats) -> float | None:
+    if s.step_time_s:
+        return s.step_time_s
+    p = s.profile
+    return p.step_wall_us / 1e6 if p is not None and p.step_wall_us else None
+
+
+def _faster(step_s: float | None, share: float) -> tuple[float | None, str]:
+    """The step without a cause that takes ``share`` of it, and the "about N% faster" phrase."""
+    if step_s is None:
+        return None, ""
+    share = min(max(share, 0.0), 0.95)  # bounded: the rest of the step stays
+    predicted = step_s * (1.0 - share)
+    speedup = 1.0 / (1.0 - share)
+    faster = f"{speedup:.1f}x as fast" if speedup >= 2.0 else f"about {speedup - 1.0:.0%} faster"
+    return predicted, f"; without it the step would take about {predicted * 1e3:.1f} ms ({faster})"
+
+
+def _sites(rows: Any) -> list[str]:
+    return [f"{site}: {calls:.0f} per step, {us / 1e3:.2f} ms" for site, calls, us in rows]
+
+
+def rule_casts(s: RunStats) -> Finding | None:
+    """Copies and dtype casts take at least ``CASTS_SHARE`` of the profiled step."""
+    p = s.profile
+    share = p.class_share("casts") if p is not None else None
+    if p is None or share is None or share < CASTS_SHARE:
+        return None
+    predicted, faster = _faster(_step_s(s), share)
+    sites = _sites(p.cast_sites)
+    advice = [
+        "Keep the weights in the compute dtype (bf16-true / model.to(torch.bfloat16) with an fp32 "
+        "master copy in the optimizer) instead of casting them in every step under autocast.",
+        "Move casts and copies out of the loop: convert inputs once in the Dataset or collate_fn, "
+        "create tensors in the dtype and on the device they are used (torch.zeros(..., dtype=, device=)).",
+    ]
+    if sites:
+        advice.insert(0, "Where the copies are made: " + "; ".join(sites[:3]) + ".")
+    evidence = {
+        "casts_share": round(share, 4),
+        "casts_us_per_step": dict(p.op_class_us).get("casts"),
+        "timeline": p.op_timeline,
+        "call_sites": sites,
+        "precision": s.precision,
+    }
+    title = f"Casts and copies take {share:.0%} of the step{faster}"
+    return Finding("casts", "warning", title, evidence, tuple(advice), predicted)
+
+
+def rule_host_sync(s: RunStats) -> Finding | None:
+    """Host-device syncs leave the GPU idle for at least ``HOST_SYNC_SHARE`` of the step."""
+    p = s.profile
+    if p is None or p.op_timeline != "device" or not p.step_wall_us or p.syncs_per_step <= 0:
+        return None
+    share = p.sync_idle_us / p.step_wall_us
+    if share < HOST_SYNC_SHARE:
+        return None
+    predicted, faster = _faster(_step_s(s), share)
+    sites = _sites(p.sync_sites)
+    advice = [
+        "Keep values on the device between steps: accumulate the loss as a tensor (running += "
+        "loss.detach()) and call .item() only when logging, every N steps.",
+        "Avoid .cpu(), .tolist(), print(tensor) and Python conditions on tensor values inside the step; "
+        "use torch.cuda.set_sync_debug_mode('warn') to find each sync.",
+    ]
+    if sites:
+        advice.insert(0, "Where the syncs happen: " + "; ".join(sites[:3]) + ".")
+    evidence = {
+        "sync_idle_share": round(share, 4),
+        "syncs_per_step": p.syncs_per_step,
+        "sync_idle_us_per_step": round(p.sync_idle_us, 1),
+        "call_sites": sites,
+    }
+    idle = f"leave the GPU idle {share:.0%} of the step"
+    title = f"Host-device syncs: {p.syncs_per_step:.0f} per step {idle}{faster}"
+    return Finding("host-sync", "warning", title, evidence, tuple(advice), predicted)
+
+
+def rule_threads(s: RunStats) -> Finding | None:
+    """More CPU threads than cores, and the slowdown it costs (measured at the end of the run)."""
+    t = s.threads
+    if not t or t.get("cores") is None or t.get("threads", 0) <= t["cores"]:
+        return None
+    fit, workers, procs = t.get("fitting_threads"), t.get("workers", 0), t.get("processes", 1)
+    slowdown = t.get("slowdown")
+    share = None
+    if slowdown and slowdown > 1.0:
+        p = s.profile
+        ops = None
+        if p is not None and p.step_wall_us and p.op_timeline == "host" and p.op_class_us:
+            ops = min(1.0, sum(us for _, us in p.op_class_us) / p.step_wall_us)
+        share = (1.0 if ops is None else ops) * (1.0 - 1.0 / slowdown)  # the ops' time, sped up
+    predicted, faster = _faster(_step_s(s), share or 0.0)
+    advice = [
+        f"Call torch.set_num_threads({fit}) (or set OMP_NUM_THREADS={fit}) in each training process: "
+        f"{t['cores']} cores shared by {procs} process(es) with {workers} DataLoader worker(s) each.",
+    ]
+    if workers:
+        advice.append("Or use fewer DataLoader workers, so that (threads + workers) × processes ≤ cores.")
+    evidence = {
+        "threads_share": None if share is None else round(share, 4),
+        "measured_slowdown": None if slowdown is None else round(slowdown, 2),
+        **{k: t.get(k) for k in ("intra_op_threads", "processes", "workers", "cores", "threads")},
+    }
+    demand = f"{t['threads']} threads on {t['cores']} cores"
+    if share is None or share < THREADS_SHARE:
+        title = f"Threads: {demand} (oversubscribed; no measured cost)"
+        return Finding("threads", "info", title, evidence, tuple(advice), None)
+    title = f"Threads: {demand} cost about {share:.0%} of the step{faster}"
+    return Finding("threads", "warning", title, evidence, tuple(advice), predicted)
+
+
+def rule_recompiles(s: RunStats) -> Finding | None:
+    """torch.compile recompiled (or broke graphs) during the run."""
+    c = s.compile
+    if not c or not (c.get("recompiles") or c.get("graph_breaks")):
+        return None
+    recompile_s = float(c.get("recompile_s") or 0.0)
+    share = recompile_s / s.duration_s if s.duration_s else 0.0
+    advice = []
+    guards = list(c.get("failed_guards") or ())
+    if guards:
+        advice.append("The guard that failed: " + guards[-1] + ".")
+    advice += [
+        "For shapes that change (sequence length, last batch): mark them dynamic "
+        "(torch._dynamo.mark_dynamic(x, 1), or torch.compile(dynamic=True)), pad to a few bucket sizes, "
+        "or drop_last=True.",
+        "Keep Python values that change per step (step counters, schedules) out of the compiled "
+        "function, or pass them as tensors.",
+    ]
+    breaks = list(c.get("break_reasons") or ())
+    if breaks:
+        advice.append(
+            "Graph breaks (" + "; ".join(breaks[:3]) + "): see torch._dynamo.explain(fn)(*args) and "
+            "TORCH_LOGS=graph_breaks."
+        )
+    evidence = {
+        "recompile_share": round(share, 4),
+        "recompiles": c.get("recompiles"),
+        "graph_breaks": c.get("graph_breaks"),
+        "recompile_s": recompile_s,
+        "compile_s": c.get("compile_s"),
+        "failed_guards": guards,
+        "break_reasons": breaks,
+    }
+    if share < RECOMPILE_SHARE or not c.get("recompiles"):
+        what = f"{c.get('recompiles', 0)} recompilation(s), {c.get('graph_breaks', 0)} graph break(s)"
+        return Finding("recompiles", "info", f"torch.compile: {what}", evidence, tuple(advice), None)
+    step = _step_s(s)
+    predicted, faster = _faster(step, share)
+    title = f"Recompiles: {c['recompiles']} torch.compile recompilations took {share:.0%} of the run{faster}"
+    return Finding("recompiles", "warning", title, evidence, tuple(advice), predicted)
+
+
+def rule_comm_bound(s: RunStats) -> Finding | None:
+    """Communication not hidden by compute takes at least ``COMM_BOUND_SHARE`` of the step."""
+    p = s.profile
+    if p is None or not p.step_wall_us or p.exposed_comm_us <= 0:
+        return None
+    share = p.exposed_comm_us / p.step_wall_us
+    if share < COMM_BOUND_SHARE:
+        return None
+    predicted, faster = _faster(_step_s(s), share)
+    hidden = 1.0 - p.exposed_comm_us / p.comm_us if p.comm_us else 0.0
+    advice = (
+        "Overlap more of the gradient all-reduce with backward: a smaller DDP bucket_cap_mb (e.g. 10 "
+        "instead of 25) starts the first all-reduce earlier and shrinks the last, never-overlapped bucket.",
+        "Set find_unused_parameters=False (and static_graph=True when the graph does not change): the "
+        "unused-parameter search runs after backward and delays the reduction.",
+        "Accumulate gradients under model.no_sync() for all but the last micro-batch, or use "
+        "gradient_as_bucket_view=True; under FSDP, forward/backward prefetch.",
+    )
+    evidence = {
+        "exposed_comm_share": round(share, 4),
+        "exposed_comm_us_per_step": round(p.exposed_comm_us, 1),
+        "comm_us_per_step": round(p.comm_us, 1),
+        "overlapped_fraction": round(hidden, 3),
+        "world_size": s.world_size,
+    }
+    title = (
+        f"Communication-bound: {share:.0%} of the step waits on communication not hidden by compute{faster}"
+    )
+    return Finding("comm-bound", "warning", title, evidence, advice, predicted)
+
+
+OP_RULES = (rule_casts, rule_host_sync, rule_threads, rule_recompiles, rule_comm_bound)

@@ -1,0 +1,28 @@
+"""Which implementation an optimizer's step runs, for the optimizer-step finding."""
+
+from __future__ import annotations
+
+import torch
+
+from resource_guard.observe.optimizer_facts import describe_optimizer
+
+
+def _params(n: int = 4) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.zeros(3)) for _ in range(n)]
+
+
+def test_for_loop_foreach_and_fused_are_told_apart() -> None:
+    assert describe_optimizer(torch.optim.AdamW(_params(), foreach=False))["for_loop"] is True
+    assert describe_optimizer(torch.optim.AdamW(_params(), foreach=True))["for_loop"] is False
+    facts = describe_optimizer(torch.optim.AdamW(_params(5)))
+    # unset on CPU tensors: PyTorch's default is the for-loop (for-each is picked for CUDA only)
+    assert facts["for_loop"] is True and facts["tensors"] == 5 and facts["fused_available"] is True
+
+
+def test_an_optimizer_without_a_foreach_path_is_not_called_slow() -> None:
+    class Plain(torch.optim.Optimizer):
+        def __init__(self, params: list[torch.nn.Parameter]) -> None:
+            super().__init__(params, {"lr": 0.1})
+
+    facts = describe_optimizer(Plain(_params()))
+    assert facts["for_loop"] is False and facts["name"] == "Plain"

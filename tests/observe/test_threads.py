@@ -1,0 +1,59 @@
+"""Tests for resource_guard.observe.threads: the thread demand against the cores, and the probe that
+measures an oversubscription's cost (and restores the thread count)."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+import torch
+
+from resource_guard.observe import threads
+from resource_guard.observe.threads import local_processes, oversubscription_slowdown, thread_demand
+
+
+def test_docstring_examples_run() -> None:
+    assert doctest.testmod(threads).failed == 0
+
+
+def test_demand_counts_threads_and_workers_of_every_local_process() -> None:
+    d = thread_demand(intra_op=4, processes=2, workers=3, cores=8)
+    assert d.threads == 14 and d.oversubscribed and d.fitting_threads == 1
+    assert not thread_demand(intra_op=4, processes=2, workers=0, cores=8).oversubscribed
+    unknown = thread_demand(intra_op=64, processes=1, workers=0, cores=None)
+    assert not unknown.oversubscribed and unknown.fitting_threads == 64
+
+
+def test_local_processes_reads_torchrun_s_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert local_processes(4) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert local_processes(16) == 2
+
+
+def test_the_probe_compares_the_run_s_count_with_the_fitting_one_and_restores_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[int] = []
+
+    def best(n: int) -> float:  # the workload's time at n threads, as a machine with 2 free cores gives it
+        seen.append(n)
+        torch.set_num_threads(n)
+        return {2: 0.001, 16: 0.004}[n]
+
+    monkeypatch.setattr(threads, "_best", best)
+    before = torch.get_num_threads()
+    slowdown = oversubscription_slowdown(thread_demand(intra_op=16, processes=1, workers=0, cores=2))
+    assert slowdown == pytest.approx(4.0)
+    assert set(seen) == {2, 16} and seen[0] == 2  # the fitting count first (see the function)
+    assert torch.get_num_threads() == before
+    assert oversubscription_slowdown(thread_demand(intra_op=2, processes=1, workers=0, cores=2)) is None
+
+
+def test_the_probe_runs_the_real_workload_and_restores_the_thread_count() -> None:
+    """The measured ratio depends on the machine's load (on a busy shared host more threads can even
+    win a larger share of the cores), so only its form is checked here; benchmarks measure it."""
+    before = torch.get_num_threads()
+    slowdown = oversubscription_slowdown(thread_demand(intra_op=4, processes=1, workers=0, cores=1))
+    assert slowdown is not None and slowdown > 0
+    assert torch.get_num_threads() == before

@@ -1,0 +1,173 @@
+"""Tests for resource_guard.report.op_rules: each finding fires on its cause with its measured share and
+predicted step, stays silent without it, and the CPU/GPU distinctions (a CPU .item() is no sync)."""
+
+from __future__ import annotations
+
+import doctest
+from pathlib import Path
+
+import pytest
+
+from resource_guard.report import op_rules
+from resource_guard.report.findings import analyze
+from resource_guard.report.op_rules import (
+    CASTS_SHARE,
+    COMM_BOUND_SHARE,
+    HOST_SYNC_SHARE,
+    rule_casts,
+    rule_comm_bound,
+    rule_host_sync,
+    rule_recompiles,
+    rule_threads,
+)
+from resource_guard.report.rules import RULES
+from resource_guard.report.types import ProfileSummary, RunStats
+
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"  # HTA's recorded GPU traces (MIT)
+
+
+def test_docstring_examples_run() -> None:
+    assert doctest.testmod(op_rules).failed == 0
+
+
+def test_the_op_rules_run_with_the_others() -> None:
+    assert set(op_rules.OP_RULES) <= set(RULES)
+
+
+def _profile(**kwargs: object) -> ProfileSummary:
+    values: dict[str, object] = {"steps": 3, "step_wall_us": 10_000.0, "op_timeline": "host"}
+    values.update(kwargs)
+    return ProfileSummary(**values)  # type: ignore[arg-type]
+
+
+def _time_finding_contract(f: object, step_s: float) -> None:
+    assert f is not None
+    assert any(k.endswith("share") for k in f.evidence)  # type: ignore[attr-defined]
+    predicted = f.predicted_step_s  # type: ignore[attr-defined]
+    assert predicted is not None and 0 < predicted < step_s
+    title = f.title  # type: ignore[attr-defined]
+    assert "faster" in title or "x as fast" in title
+
+
+@pytest.mark.parametrize("share", [CASTS_SHARE - 0.01, CASTS_SHARE + 0.05, 0.4])
+def test_casts_fire_from_their_threshold_and_predict_the_step_without_them(share: float) -> None:
+    p = _profile(
+        op_class_us=(("matmul", 4000.0), ("casts", share * 10_000)),
+        cast_sites=(("train.py:12 (step)", 3.0, share * 10_000),),
+    )
+    f = rule_casts(RunStats(step_time_s=0.012, profile=p, precision="bf16-mixed"))
+    if share < CASTS_SHARE:
+        assert f is None
+        return
+    _time_finding_contract(f, 0.012)
+    assert f.evidence["casts_share"] == pytest.approx(share)
+    assert f.predicted_step_s == pytest.approx(0.012 * (1 - share))
+    assert "train.py:12 (step)" in f.advice[0]
+
+
+def test_host_sync_fires_on_a_gpu_timeline_only() -> None:
+    gpu = _profile(
+        op_timeline="device",
+        syncs_per_step=4.0,
+        sync_idle_us=1500.0,
+        sync_sites=(("train.py:30 (train_step)", 4.0, 800.0),),
+    )
+    f = rule_host_sync(RunStats(step_time_s=0.01, profile=gpu, device_kind="cuda"))
+    _time_finding_contract(f, 0.01)
+    assert f is not None and f.evidence["sync_idle_share"] == 0.15 and "4 per step" in f.title
+    assert "train.py:30" in f.advice[0]
+    cpu = _profile(syncs_per_step=4.0, sync_idle_us=0.0, op_class_us=(("sync", 2000.0),))
+    assert rule_host_sync(RunStats(step_time_s=0.01, profile=cpu)) is None  # a CPU .item() waits for nothing
+    few = _profile(op_timeline="device", syncs_per_step=1.0, sync_idle_us=HOST_SYNC_SHARE * 10_000 * 0.5)
+    assert rule_host_sync(RunStats(profile=few)) is None
+
+
+def test_comm_bound_on_exposed_communication_only() -> None:
+    exposed = _profile(op_timeline="device", comm_us=4000.0, exposed_comm_us=2000.0)
+    f = rule_comm_bound(RunStats(step_time_s=0.01, profile=exposed, world_size=8))
+    _time_finding_contract(f, 0.01)
+    assert (
+        f is not None and f.evidence["exposed_comm_share"] == 0.2 and f.evidence["overlapped_fraction"] == 0.5
+    )
+    hidden = _profile(op_timeline="device", comm_us=4000.0, exposed_comm_us=COMM_BOUND_SHARE * 10_000 * 0.5)
+    assert rule_comm_bound(RunStats(step_time_s=0.01, profile=hidden)) is None
+
+
+def test_the_8_rank_nccl_trace_is_comm_bound_and_the_sync_trace_is_not() -> None:
+    from resource_guard.observe.chrome_trace import summarize_trace
+
+    p = summarize_trace(TRACES / "rank3-of-8-nccl.json.gz")
+    report = analyze(RunStats(steps=6, profile=p, device_kind="cuda", world_size=8))
+    f = report.finding("comm-bound")
+    assert f is not None and f.evidence["exposed_comm_share"] == pytest.approx(
+        p.exposed_comm_us / p.step_wall_us, abs=1e-4
+    )
+    assert report.finding("host-sync") is None and report.finding("casts") is None
+
+
+def _threads(intra: int, cores: int, slowdown: float | None, workers: int = 0) -> dict[str, object]:
+    return {
+        "intra_op_threads": intra,
+        "processes": 1,
+        "workers": workers,
+        "cores": cores,
+        "threads": intra + workers,
+        "fitting_threads": max(1, cores - workers),
+        "slowdown": slowdown,
+    }
+
+
+def test_threads_warns_with_the_measured_slowdown_and_is_silent_when_they_fit() -> None:
+    host = _profile(op_class_us=(("matmul", 6000.0), ("elementwise", 2000.0)))  # ops: 80% of the step
+    f = rule_threads(RunStats(step_time_s=0.02, profile=host, threads=_threads(16, 2, 2.0)))
+    _time_finding_contract(f, 0.02)
+    assert f is not None and f.severity == "warning"
+    assert f.evidence["threads_share"] == pytest.approx(0.8 * 0.5)
+    assert "torch.set_num_threads(2)" in f.advice[0] and "OMP_NUM_THREADS=2" in f.advice[0]
+    unmeasured = rule_threads(RunStats(threads=_threads(4, 2, None, workers=2)))
+    assert unmeasured is not None and unmeasured.severity == "info" and unmeasured.predicted_step_s is None
+    assert "fewer DataLoader workers" in unmeasured.advice[-1]
+    assert rule_threads(RunStats(threads=_threads(2, 2, None))) is None
+    assert rule_threads(RunStats()) is None
+
+
+def test_recompiles_warn_when_they_cost_and_name_the_failed_guard() -> None:
+    compile_info = {
+        "recompiles": 6,
+        "graph_breaks": 0,
+        "recompile_s": 3.0,
+        "compile_s": 4.0,
+        "failed_guards": ["0/5: tensor 'x' size mismatch at index 1. expected 17, actual 23"],
+        "break_reasons": [],
+    }
+    f = rule_recompiles(RunStats(step_time_s=0.1, duration_s=20.0, compile=compile_info))
+    _time_finding_contract(f, 0.1)
+    assert f is not None and f.evidence["recompile_share"] == 0.15
+    assert "size mismatch at index 1" in f.advice[0] and "mark_dynamic" in f.advice[1]
+    cheap = rule_recompiles(RunStats(step_time_s=0.1, duration_s=1000.0, compile=compile_info))
+    assert cheap is not None and cheap.severity == "info"
+    breaks = {
+        **compile_info,
+        "recompiles": 0,
+        "recompile_s": 0.0,
+        "graph_breaks": 2,
+        "break_reasons": ["print (2x)"],
+    }
+    g = rule_recompiles(RunStats(duration_s=20.0, compile=breaks))
+    assert g is not None and g.severity == "info" and "print (2x)" in g.advice[-1]
+    assert rule_recompiles(RunStats(compile=None)) is None
+
+
+def test_a_run_without_a_cause_stays_healthy() -> None:
+    clean = _profile(
+        op_class_us=(("matmul", 7000.0), ("elementwise", 1500.0), ("casts", 300.0), ("sync", 5.0)),
+        syncs_per_step=1.0,
+    )
+    stats = RunStats(
+        steps=50,
+        step_time_s=0.01,
+        profile=clean,
+        threads=_threads(2, 2, None),
+        compile={"recompiles": 0, "graph_breaks": 0},
+    )
+    assert analyze(stats).verdict == "healthy"
