@@ -187,6 +187,7 @@ class Net(L.LightningModule):
         self.batch_size, self.eval_batch = 8, eval_batch
         self.calls = {"train": 0, "validation": 0, "test": 0}
         self.resident: list[tuple[bool, int, bool]] = []  # (sanity check, gradients held, state exists)
+        self.val_rows: list[int] = []  # the rows of each validation step that ran
 
     def _step(self, batch, kind: str):
         if self._trainer is not None:  # not while estimating (on a detached copy)
@@ -201,6 +202,8 @@ class Net(L.LightningModule):
             opt = self.trainer.optimizers[0] if self.trainer.optimizers else None
             grads = sum(p.grad is not None for p in self.parameters())
             self.resident.append((self.trainer.sanity_checking, grads, bool(opt and opt.state)))
+        if self._trainer is not None:
+            self.val_rows.append(batch[0].shape[0])
         self.log("val_loss", self._step(batch, "validation"))
 
     def test_step(self, batch, batch_idx):
@@ -228,19 +231,26 @@ def _trainer(*callbacks, **kwargs) -> L.Trainer:
 
 
 def _callback(**kwargs) -> ResourceGuard:
-    return ResourceGuard(memory_limit=CAP, precision="32-true", monitor=False, **kwargs)
+    return ResourceGuard(**(dict(memory_limit=CAP, precision="32-true", monitor=False) | kwargs))
 
 
 @pytest.mark.parametrize("sanity_steps", [2, 0])
-def test_lightning_stops_before_the_sanity_check_when_validation_does_not_fit(sanity_steps):
-    net = Net(LARGE)
-    with pytest.raises(DoesNotFitError, match=rf"validation step does not fit: batch size {LARGE}") as caught:
-        _trainer(_callback(), num_sanity_val_steps=sanity_steps).fit(net)
-    assert net.calls == {"train": 0, "validation": 0, "test": 0}
-    check = caught.value.report
+def test_lightning_splits_validation_that_does_not_fit_before_the_sanity_check(sanity_steps):
+    """Decided before the sanity check: every validation step (the sanity check's too) runs a
+    micro-batch of at most the largest batch that fits (tests/frontdoors/test_lightning_eval_split.py
+    checks that the results are those of the whole batches)."""
+    net, callback = Net(LARGE), _callback()
+    _trainer(callback, num_sanity_val_steps=sanity_steps).fit(net)
+    (check,) = [c for c in callback._evals.checks if not c.fits]
     assert check.loop == "validation" and check.batch_size == LARGE
-    assert 0 < check.largest_fitting_batch_size < LARGE
+    largest = check.largest_fitting_batch_size
+    assert largest is not None and 0 < largest < LARGE
     assert "optimizer state" in check.estimate.assumed_target  # as validation after a step holds
+    pieces = -(-LARGE // largest)  # limit_val_batches=1: one loader batch, as micro-batches
+    seen = net.val_rows
+    assert seen[-pieces:] and sum(seen[-pieces:]) == LARGE and max(seen) <= largest
+    assert net.calls["validation"] == pieces + min(sanity_steps, pieces)
+    assert any(f"batches of {LARGE} rows do not fit" in r for r in callback.plan.reasons)
 
 
 def test_lightning_validation_that_fits_leaves_the_run_unchanged(caplog):
@@ -266,19 +276,22 @@ def test_lightning_validation_line_reaches_the_report(tmp_path):
 
 @pytest.mark.parametrize("stage", ["validate", "test"])
 def test_lightning_validate_and_test_alone(stage):
-    net, loop = Net(LARGE), stage.replace("validate", "validation")
-    with pytest.raises(DoesNotFitError, match=rf"{loop} step does not fit"):
-        getattr(_trainer(_callback()), stage)(net, verbose=False)
-    assert net.calls == {"train": 0, "validation": 0, "test": 0}
+    net, loop, callback = Net(LARGE), stage.replace("validate", "validation"), _callback()
+    getattr(_trainer(callback), stage)(net, verbose=False)
+    (check,) = callback._evals.checks
+    assert check.loop == loop and not check.fits and 0 < check.largest_fitting_batch_size < LARGE
+    pieces = -(-LARGE // check.largest_fitting_batch_size)
+    batches = 1 if stage == "validate" else 2  # limit_val_batches=1 counts loader batches
+    assert net.calls == {"train": 0, "validation": 0, "test": 0} | {loop: batches * pieces}
     small = Net(SMALL)
     getattr(_trainer(_callback()), stage)(small, verbose=False)
     assert small.calls[loop] > 0
 
 
 def test_lightning_without_fail_fast_warns_and_validates():
-    net = Net(LARGE)
-    with pytest.warns(match="validation step does not fit"):
-        _trainer(_callback(fail_fast=False), num_sanity_val_steps=0).fit(net)
+    net = Net(SMALL)  # below the parameters: not even one row fits
+    with pytest.warns(match="Not even batch size 1 fits"):
+        _trainer(_callback(fail_fast=False, memory_limit="1MiB")).validate(net, verbose=False)
     assert net.calls["validation"] >= 1
 
 
@@ -327,7 +340,7 @@ class Net(L.LightningModule):
     def _loss(self, b):
         if self._trainer is not None:
             self.calls += 1
-        return nn.functional.cross_entropy(self.net(b[0]), b[1])
+        return nn.functional.cross_entropy(self.net(b[0].reshape(-1, 64)), b[1].reshape(-1))
     def training_step(self, b, i):
         return self._loss(b)
     def validation_step(self, b, i):
@@ -339,8 +352,11 @@ class Net(L.LightningModule):
         return DataLoader(data, batch_size=size)
     def train_dataloader(self):
         return self._data(64, 8)
-    def val_dataloader(self):  # rank 1's evaluation batch is too big for the cap
-        return self._data(4096, 2048 if RANK == 1 else 64)
+    def val_dataloader(self):  # rank 1's evaluation rows (5000 samples each) are each too big for the cap
+        if RANK == 1:
+            data = TensorDataset(torch.randn(8, 5000, 64), torch.randint(0, 2000, (8, 5000)))
+            return DataLoader(data, batch_size=4)
+        return self._data(64, 64)
 
 net = Net()
 trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
@@ -365,5 +381,6 @@ def test_ddp_ranks_stop_together_when_one_ranks_validation_does_not_fit(tmp_path
     r0, r1 = ranks
     assert r0["error_type"] == r1["error_type"] == "DoesNotFitError"
     assert r0["error"] == r1["error"] and "pre-flight failed on rank 1" in r0["error"]
-    assert "validation step does not fit: batch size 2048" in r0["error"]
+    assert "validation step does not fit: batch size 4" in r0["error"]
+    assert "Not even batch size 1" in r0["error"]
     assert r0["calls"] == r1["calls"] == 0, "no training or validation step on any rank"

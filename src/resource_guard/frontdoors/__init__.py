@@ -3,8 +3,10 @@
 - :mod:`~resource_guard.frontdoors.context`: the :class:`Guard` context manager.
 - :mod:`~resource_guard.frontdoors.lightning_callback`: the Lightning callback (with its helpers the
   only modules that import Lightning: :mod:`~resource_guard.frontdoors.lightning_apply` isolates its
-  private attributes, :mod:`~resource_guard.frontdoors.lightning_eval` pre-flights validation and test,
-  :mod:`~resource_guard.frontdoors.lightning_shapes` stops before a batch that would not fit).
+  private attributes, :mod:`~resource_guard.frontdoors.lightning_eval` pre-flights validation, test
+  and predict, :mod:`~resource_guard.frontdoors.lightning_eval_split` runs an evaluation loader whose
+  batches do not fit as micro-batches, :mod:`~resource_guard.frontdoors.lightning_shapes` stops before
+  a batch that would not fit).
 - :mod:`~resource_guard.frontdoors.hf_plan` and :mod:`~resource_guard.frontdoors.hf_trainer`: the Hugging
   Face ``Trainer`` door (``plan_training_args``, ``ResourceGuardCallback``; the only modules that import
   transformers, with :mod:`~resource_guard.frontdoors.hf_step`, the Trainer's step rebuilt).

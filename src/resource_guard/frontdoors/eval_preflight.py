@@ -204,18 +204,25 @@ class EvalPreflights:
 
     def __init__(self) -> None:
         self.checks: list[EvalCheck] = []
-        self._seen: set[Any] = set()
+        self._seen: dict[Any, EvalCheck] = {}
 
     def check(
-        self, model: torch.nn.Module, batch: Any, loss_fn: LossFn | None, **kwargs: Any
+        self,
+        model: torch.nn.Module,
+        batch: Any,
+        loss_fn: LossFn | None,
+        *,
+        again: bool = False,
+        **kwargs: Any,
     ) -> EvalCheck | None:
-        """:func:`preflight_eval` with ``kwargs``; ``None`` when already checked (or not checkable)."""
+        """:func:`preflight_eval` with ``kwargs``; ``None`` when not checkable, or when already checked
+        (then the earlier check where ``again``)."""
         optimizer = kwargs.get("optimizer")
         shapes = tuple((tuple(t.shape), t.dtype) for t in iter_tensors(batch))
         grads = sum(p.grad is not None for p in model.parameters())
         key = (kwargs.get("loop"), shapes, optimizer is not None, kwargs.get("gradients_kept"), grads)
         if key in self._seen:
-            return None
+            return self._seen[key] if again else None
         try:
             found = preflight_eval(model, batch, loss_fn, **kwargs)
         except DoesNotFitError:
@@ -228,6 +235,6 @@ class EvalPreflights:
                 stacklevel=3,
             )
             return None
-        self._seen.add(key)
+        self._seen[key] = found
         self.checks.append(found)
         return found

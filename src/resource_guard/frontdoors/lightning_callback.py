@@ -190,8 +190,9 @@ class ResourceGuard(Callback):
         self._monitor: Any = None
         self._phases: Any = None  # the LightningPhases switching the monitor's phase clock, while fitting
         self._fixed = ap.Fixed()
-        self._evals = EvalPreflights()  # validation and test pre-flights (frontdoors/lightning_eval.py)
+        self._evals = EvalPreflights()  # validation/test/predict pre-flights (frontdoors/lightning_eval.py)
         self._eval_notes: list[str] = []  # their lines, for the monitor's report once it runs
+        self._eval_splits: dict[int, tuple[int, int]] = {}  # fit's validation loaders split: index → sizes
         _skip_inherited_step_hooks(self)
 
     # -- set-up --------------------------------------------------------------------------------------
@@ -274,6 +275,10 @@ class ResourceGuard(Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "validate":  # `trainer.validate`; fit's is checked in on_fit_start
             self._preflight_eval(trainer, pl_module, "validate")
+        elif self._eval_splits:  # fit's loaders, split in on_fit_start, again after a reload
+            from resource_guard.frontdoors.lightning_eval_split import apply_splits
+
+            apply_splits(trainer, "validate", self._eval_splits, reset=True)
         if self._phases is not None:
             self._phases.evaluation_start()
 
@@ -284,11 +289,20 @@ class ResourceGuard(Callback):
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._preflight_eval(trainer, pl_module, "test")
 
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._preflight_eval(trainer, pl_module, "predict")
+
+    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from resource_guard.frontdoors.lightning_eval_split import regroup_predictions
+
+        regroup_predictions(trainer)  # one prediction per loader batch of a split loader
+
     def _preflight_eval(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from resource_guard.frontdoors.lightning_eval import preflight_loops
+        from resource_guard.frontdoors.lightning_eval_split import apply_splits, split_sizes
 
         made, fitting = self.plan, trainer.state.fn == "fit"
-        checks = preflight_loops(
+        checks, splits = preflight_loops(
             trainer,
             pl_module,
             stage,
@@ -300,11 +314,16 @@ class ResourceGuard(Callback):
             precision=self.decisions.precision if fitting and self.decisions is not None else None,
             fail_fast=self.fail_fast,
         )
-        for check in checks:
-            rank_zero_info(f"ResourceGuard: {check.line()}")
+        micro, notes = split_sizes(splits)
+        lines = [c.line() for c in checks] + notes
+        if fitting:
+            self._eval_splits = micro
+        apply_splits(trainer, stage, micro, reset=not fitting)  # fit's loop has not built its iterator
+        for line in lines:
+            rank_zero_info(f"ResourceGuard: {line}")
             if self.plan is not None:
-                self.plan = dataclasses.replace(self.plan, reasons=(*self.plan.reasons, check.line()))
-            self._eval_notes.append(check.line())
+                self.plan = dataclasses.replace(self.plan, reasons=(*self.plan.reasons, line))
+            self._eval_notes.append(line)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The evaluation pre-flights into the monitor's report (it starts after ``on_fit_start``)."""

@@ -1,5 +1,7 @@
-"""The Lightning callback's evaluation pre-flight: validation and test, each on its own dataloader's
-first batch (its own batch size and shapes), before any of their steps run.
+"""The Lightning callback's evaluation pre-flight: validation, test and predict, each on its own
+dataloader's first batch (its own batch size and shapes), before any of their steps run. A loader whose
+batch does not fit, when a smaller one does, is returned for splitting
+(:mod:`~resource_guard.frontdoors.lightning_eval_split`); one where not even one row fits stops the run.
 
 When, and beside what (Lightning 2.x, checked by ``tests/frontdoors/test_eval_preflight.py``):
 
@@ -12,12 +14,14 @@ When, and beside what (Lightning 2.x, checked by ``tests/frontdoors/test_eval_pr
   validation can start mid-accumulation (``accumulate_grad_batches > 1`` and ``val_check_batch`` not
   a multiple of it) or where the module overrides that hook. The sanity check holds less (no state
   yet), so it is covered too.
-- ``trainer.validate`` / ``trainer.test``: in ``on_validation_start`` / ``on_test_start``, once the
-  loop has set up its dataloaders, beside what the run holds then: the parameters, the gradients
-  the module holds, and the optimizer state when a ``fit`` on the same Trainer left one.
+- ``trainer.validate`` / ``trainer.test`` / ``trainer.predict``: in ``on_validation_start`` /
+  ``on_test_start`` / ``on_predict_start``, once the loop has set up its dataloaders, beside what the
+  run holds then: the parameters, the gradients the module holds, and the optimizer state when a
+  ``fit`` on the same Trainer left one.
 
 Under DDP every rank traces its own first batch and the ranks agree (one collective): if any rank's
-step does not fit, every rank raises the same :class:`~resource_guard.errors.DoesNotFitError`.
+step does not fit even at one row, every rank raises the same
+:class:`~resource_guard.errors.DoesNotFitError`.
 """
 
 from __future__ import annotations
@@ -42,7 +46,11 @@ if TYPE_CHECKING:
 
 __all__ = ["LOOPS", "gradients_kept_in_fit", "preflight_loops"]
 
-LOOPS = {"validate": ("validation", "validation_step"), "test": ("test", "test_step")}
+LOOPS = {
+    "validate": ("validation", "validation_step"),
+    "test": ("test", "test_step"),
+    "predict": ("predict", "predict_step"),
+}
 
 
 def gradients_kept_in_fit(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
@@ -74,7 +82,8 @@ def _first_batches(
     as the loop moves it."""
     if stage == "validate" and trainer.state.fn == "fit":
         trainer.fit_loop.epoch_loop.val_loop.setup_data()
-    loaders = _loaders(trainer.val_dataloaders if stage == "validate" else trainer.test_dataloaders)
+    name = {"validate": "val_dataloaders", "test": "test_dataloaders"}.get(stage, "predict_dataloaders")
+    loaders = _loaders(getattr(trainer, name))
     batches = []
     with isolate_rng(include_cuda=False):  # a shuffling sampler draws from the CPU generator
         for i, loader in enumerate(loaders):
@@ -105,22 +114,27 @@ def preflight_loops(
     headroom: float,
     precision: str | None,
     fail_fast: bool = True,
-) -> list[EvalCheck]:
-    """Pre-flight every dataloader of ``stage`` (``"validate"`` or ``"test"``); a collective.
+) -> tuple[list[EvalCheck], dict[int, EvalCheck]]:
+    """Pre-flight every dataloader of ``stage`` (``"validate"``, ``"test"`` or ``"predict"``); a
+    collective.
 
     The device and headroom are the ``plan``'s (its device capped by the memory limit), else the device
     is resolved from ``device_name`` or the Trainer's root device and capped by ``memory_limit``.
     ``precision``: the plan's, else the Trainer's.
-    Returns the new checks.
+    Returns the new checks, and by dataloader index the checks of the loaders whose batch does not fit
+    but a smaller one does (to run as micro-batches of at most its largest fitting batch size; also
+    when checked before, by a second ``trainer.validate``).
 
     Raises:
-        DoesNotFitError: on every rank, when one rank's step does not fit (``fail_fast``; else a warning).
+        DoesNotFitError: on every rank, when one rank's step does not fit even at batch size 1 (or its
+            batch size cannot be told) (``fail_fast``; else a warning).
     """
     loop, hook = LOOPS[stage]
     found: list[EvalCheck] = []
+    splits: dict[int, EvalCheck] = {}
     error: BaseException | None = None
     try:
-        if is_overridden(hook, pl_module):
+        if stage == "predict" or is_overridden(hook, pl_module):  # predict_step has a default
             fitting = trainer.state.fn == "fit"
             spec = plan.device if plan is not None else _device(trainer, device_name, memory_limit)
             headroom = plan.headroom if plan is not None else headroom
@@ -135,6 +149,7 @@ def preflight_loops(
                 def loss_fn(module: Any, b: Any, i: int = i, count: int = count) -> Any:
                     return getattr(module, hook)(b, 0, i) if count > 1 else getattr(module, hook)(b, 0)
 
+                before = len(checks.checks)
                 with ap.detached_trainer(pl_module):
                     check = checks.check(
                         pl_module,
@@ -146,9 +161,17 @@ def preflight_loops(
                         gradients_kept=gradients_kept_in_fit(trainer, pl_module) if fitting else None,
                         precision=name,
                         headroom=headroom,
+                        raise_if_not_fits=False,
+                        again=True,
                     )
-                if check is not None:
+                if check is None:
+                    continue
+                if len(checks.checks) > before:
                     found.append(check)
+                if not check.fits and check.largest_fitting_batch_size:
+                    splits[i] = check
+                elif not check.fits:
+                    raise DoesNotFitError(check.message(), check)
     except Exception as failure:  # every rank must reach the collective below
         error = failure
     error = agree_on_error(trainer, error)
@@ -158,7 +181,7 @@ def preflight_loops(
     if error is not None:  # our pre-flight's own failure never stops the run
         tail = "\nThe run continues unchanged (fail_fast=False)." if not_fit(error) else ""
         warnings.warn(f"ResourceGuard: {error}{tail}", ResourceGuardWarning, stacklevel=3)
-    return found
+    return found, splits
 
 
 def agree_on_error(trainer: pl.Trainer, error: BaseException | None) -> BaseException | None:
