@@ -21,7 +21,8 @@ from lightning.pytorch.profilers import Profiler
 from torch import nn
 
 from resource_guard import guard
-from resource_guard.frontdoors.lightning_callback import _STEP_HOOKS, ResourceGuard
+from resource_guard.frontdoors.lightning_callback import ResourceGuard
+from resource_guard.frontdoors.lightning_internals import STEP_HOOKS as _STEP_HOOKS
 
 
 class Actions(Profiler):

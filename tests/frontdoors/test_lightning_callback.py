@@ -22,6 +22,7 @@ import resource_guard.planning.planner as plan_module
 from resource_guard.devices import resolve_device
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.frontdoors import lightning_apply as ap
+from resource_guard.frontdoors import lightning_internals as li
 from resource_guard.frontdoors.lightning_callback import ResourceGuard
 from resource_guard.observe.profiling import ProfileWindow
 
@@ -188,25 +189,31 @@ def test_constructor_rejects_bad_arguments_quoting_the_call(kwargs, quoted):
 
 def test_lightning_internals_are_where_we_expect():
     """Fails loudly when a Lightning release moves a private attribute resource_guard relies on."""
-    assert set(ap.LIGHTNING_INTERNALS) == {
+    assert set(li.LIGHTNING_INTERNALS) == {
         "data_from_module",
         "drop_train_dataloader",
         "before_batch_transfer",
         "transform_train_source",  # tests/frontdoors/test_lightning_rebatch.py
         "process_train_loader",
+        "skip_inherited_step_hooks",  # tests/frontdoors/test_hot_path.py
+        "eval_combined_loader",  # these four: tests/frontdoors/test_lightning_eval_split.py and below
+        "eval_batch_counts",
+        "restart_eval_iterator",
+        "predict_outputs",
     }
+    assert set(li.LIGHTNING_INTERNALS) <= set(li.__all__)
     t = trainer()
     model, data = Net(), Data()
     t.fit_loop._data_source.instance = data  # what `fit(model, datamodule)` does
     assert hasattr(t.fit_loop, "_combined_loader"), "fit_loop._combined_loader moved"
     assert callable(getattr(t.fit_loop._data_source, "is_module", None)), "fit_loop._data_source moved"
-    assert ap.data_from_module(t) is True
+    assert li.data_from_module(t) is True
     t.fit_loop._data_source.instance = DataLoader(TensorDataset(torch.zeros(4, DIM)))
-    assert ap.data_from_module(t) is False
+    assert li.data_from_module(t) is False
     assert callable(getattr(model, "_on_before_batch_transfer", None)), "_on_before_batch_transfer moved"
-    assert ap.before_batch_transfer(model, [torch.zeros(2)])[0].shape == (2,)
+    assert li.before_batch_transfer(model, [torch.zeros(2)])[0].shape == (2,)
     t.fit_loop._combined_loader = object()
-    ap.drop_train_dataloader(t)
+    li.drop_train_dataloader(t)
     assert t.fit_loop._combined_loader is None
 
 

@@ -29,6 +29,7 @@ from transformers import BatchEncoding
 from resource_guard import estimate_memory
 from resource_guard.errors import ConfigurationError
 from resource_guard.frontdoors import lightning_apply as ap
+from resource_guard.frontdoors import lightning_internals as li
 from resource_guard.frontdoors.lightning_callback import ResourceGuard
 from resource_guard.frontdoors.lightning_rebatch import LossWeights, SplitBatchSampler, parts_for
 
@@ -371,12 +372,12 @@ def test_split_batch_sampler_exposes_the_sampler_for_set_epoch():
 
 def test_lightning_internals_of_rebatching_are_where_we_expect():
     """Fails loudly when a Lightning release moves what lightning_rebatch relies on."""
-    assert {"transform_train_source", "process_train_loader"} <= set(ap.LIGHTNING_INTERNALS)
+    assert {"transform_train_source", "process_train_loader"} <= set(li.LIGHTNING_INTERNALS)
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     loader = DataLoader(TensorDataset(torch.zeros(4, DIM)))
     trainer.fit_loop._data_source.instance = loader
     original = trainer.fit_loop._data_source
-    undo = ap.transform_train_source(trainer, lambda got: ("seen", got))
+    undo = li.transform_train_source(trainer, lambda got: ("seen", got))
     assert trainer.fit_loop._data_source.dataloader() == ("seen", loader)
     assert trainer.fit_loop._data_source.is_module() is False
     undo()

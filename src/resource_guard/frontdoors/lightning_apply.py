@@ -1,10 +1,8 @@
 """Helpers of the Lightning callback: what the user fixed, one real batch, the cross-rank agreement,
 and applying a plan to a Trainer the way a user would configure it by hand (and undoing it).
 
-Everything here that touches a private attribute of Lightning lives in the "Lightning internals"
-section below, one small function per attribute, each named in ``LIGHTNING_INTERNALS`` so that
-``tests/test_lightning_callback.py::test_lightning_internals_are_where_we_expect`` fails loudly when a
-Lightning release moves one.
+What touches a private attribute of Lightning is in
+:mod:`~resource_guard.frontdoors.lightning_internals`, one small function per attribute.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import contextlib
 import dataclasses
 import pickle
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +22,11 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import DataLoader
 
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardError
+from resource_guard.frontdoors.lightning_internals import (
+    before_batch_transfer,
+    data_from_module,
+    drop_train_dataloader,
+)
 from resource_guard.step.precision import PRECISIONS, parse_precision
 from resource_guard.step.training import batch_size_of
 
@@ -31,7 +34,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = [
-    "LIGHTNING_INTERNALS",
     "Applied",
     "Decisions",
     "Fixed",
@@ -83,84 +85,6 @@ class Decisions:
         if not ok:
             raise ConfigurationError(f"the checkpoint's ResourceGuard state {dict(data)!r} is malformed.")
         return made
-
-
-# ---------------------------------------------------------------------------------------------------
-# Lightning internals. Each function below reads or writes one private attribute of Lightning 2.x
-# because no public hook does the job; nothing else in resource_guard touches Lightning privates.
-
-
-def data_from_module(trainer: pl.Trainer) -> bool:
-    """Whether the train dataloader comes from the LightningModule/DataModule (so it can be rebuilt with
-    a new ``batch_size``) rather than being passed to ``fit`` directly. Private: ``fit_loop._data_source``
-    (BatchSizeFinder makes the same check)."""
-    return bool(trainer.fit_loop._data_source.is_module())
-
-
-def drop_train_dataloader(trainer: pl.Trainer) -> None:
-    """Forget the fit loop's train dataloader so ``fit_loop.setup_data()`` asks the module/datamodule for
-    it again. Private: ``fit_loop._combined_loader`` (what the batch-size tuner resets)."""
-    loop = trainer.fit_loop
-    if not hasattr(loop, "_combined_loader"):
-        raise ResourceGuardError(
-            "this Lightning version has no `fit_loop._combined_loader`; resource_guard cannot rebuild the "
-            "train dataloader. Please report it with your Lightning version."
-        )
-    loop._combined_loader = None
-
-
-def before_batch_transfer(pl_module: pl.LightningModule, batch: Any) -> Any:
-    """``on_before_batch_transfer`` of the module and datamodule, as the training loop calls it.
-    Private: ``LightningModule._on_before_batch_transfer``."""
-    return pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
-
-
-def transform_train_source(trainer: pl.Trainer, transform: Callable[[Any], Any]) -> Callable[[], None]:
-    """Have the fit loop pass every train dataloader it requests (from ``fit``'s argument, the module or
-    the datamodule) through ``transform`` before it processes it; returns the undo. Private:
-    ``fit_loop._data_source`` (a ``_DataLoaderSource``; no public hook sees the loader before the loop
-    builds its iterator)."""
-    from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
-
-    loop = trainer.fit_loop
-    original = loop._data_source
-    if not isinstance(original, _DataLoaderSource):
-        raise ResourceGuardError(
-            "this Lightning version has no `fit_loop._data_source`; resource_guard cannot re-batch the "
-            "train dataloader. Please report it with your Lightning version."
-        )
-
-    class _Transformed(_DataLoaderSource):
-        def dataloader(self) -> Any:
-            return transform(super().dataloader())
-
-    loop._data_source = _Transformed(original.instance, original.name)
-
-    def undo() -> None:
-        loop._data_source = original
-
-    return undo
-
-
-def process_train_loader(trainer: pl.Trainer, loader: Any) -> Any:
-    """What the fit loop does to a train dataloader before iterating it: the ``DistributedSampler``
-    injection under DDP, the strategy's ``process_dataloader``, the workers' seeding. Private:
-    ``trainer.connectors.data_connector._process_dataloader``."""
-    from lightning.pytorch.trainer.connectors.data_connector import _process_dataloader
-    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-
-    return _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.TRAINING, loader)
-
-
-LIGHTNING_INTERNALS = {
-    "data_from_module": "Trainer.fit_loop._data_source.is_module()",
-    "drop_train_dataloader": "Trainer.fit_loop._combined_loader",
-    "before_batch_transfer": "LightningModule._on_before_batch_transfer",
-    "transform_train_source": "Trainer.fit_loop._data_source (a data_connector._DataLoaderSource)",
-    "process_train_loader": "lightning.pytorch.trainer.connectors.data_connector._process_dataloader",
-}
-
-# ---------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceG
 from resource_guard.frontdoors import lightning_apply as ap
 from resource_guard.frontdoors import lightning_shapes
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
+from resource_guard.frontdoors.lightning_internals import skip_inherited_step_hooks
 from resource_guard.observe.profiling import ProfileWindow
 from resource_guard.step.precision import PRECISIONS, parse_precision
 
@@ -193,7 +194,9 @@ class ResourceGuard(Callback):
         self._evals = EvalPreflights()  # validation/test/predict pre-flights (frontdoors/lightning_eval.py)
         self._eval_notes: list[str] = []  # their lines, for the monitor's report once it runs
         self._eval_splits: dict[int, tuple[int, int]] = {}  # fit's validation loaders split: index → sizes
-        _skip_inherited_step_hooks(self)
+        # an inherited no-op hook still costs a profiler context and a call, ~2.5 µs each, ~10 µs per step
+        # for the four training hooks this callback does not use (tests/frontdoors/test_hot_path.py)
+        skip_inherited_step_hooks(self)
 
     # -- set-up --------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -566,24 +569,6 @@ class ResourceGuard(Callback):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text(_TEXT_TAG, markdown, trainer.global_step)
-
-
-# The hooks Lightning calls on every callback at every batch. Its dispatcher
-# (`lightning.pytorch.trainer.call._call_callback_hooks`, not public API) calls an attribute only when it is
-# callable; an inherited no-op still costs a profiler context and a call, ~2.5 µs each, ~10 µs per step for
-# the four training hooks this callback does not use. tests/frontdoors/test_hot_path.py fails if that moves.
-_STAGES = ("train", "validation", "test", "predict")
-_BATCH_HOOKS = tuple(f"on_{stage}_batch_{end}" for stage in _STAGES for end in ("start", "end"))
-_STEP_HOOKS = (*_BATCH_HOOKS, "on_before_backward", "on_after_backward")
-_STEP_HOOKS += ("on_before_optimizer_step", "on_before_zero_grad")
-
-
-def _skip_inherited_step_hooks(callback: Callback) -> None:
-    """Set the per-batch hooks that ``callback``'s class inherits from ``Callback`` unchanged to ``None``
-    on the instance, so that Lightning skips them; hooks a class defines are left alone."""
-    for name in _STEP_HOOKS:
-        if getattr(type(callback), name, None) is getattr(Callback, name):
-            setattr(callback, name, None)
 
 
 def _describe(d: ap.Decisions) -> str:

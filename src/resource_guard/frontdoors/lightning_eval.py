@@ -39,6 +39,7 @@ from resource_guard.devices import DeviceSpec, parse_memory_limit, resolve_devic
 from resource_guard.errors import DoesNotFitError, ResourceGuardWarning
 from resource_guard.frontdoors import lightning_apply as ap
 from resource_guard.frontdoors.eval_preflight import EvalCheck, EvalPreflights
+from resource_guard.frontdoors.lightning_internals import before_batch_transfer
 from resource_guard.step.precision import PRECISIONS
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ def _first_batches(
             batch = next(iter(loader), None)
             if batch is None:
                 continue
-            batch = ap.before_batch_transfer(pl_module, batch)
+            batch = before_batch_transfer(pl_module, batch)
             batches.append((i, trainer.strategy.batch_to_device(batch, dataloader_idx=i)))
     return [(i, b, len(loaders)) for i, b in batches]
 

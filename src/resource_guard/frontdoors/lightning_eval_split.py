@@ -22,9 +22,9 @@ Per-step values (``on_step=True``), ``batch_idx`` and a ``BasePredictionWriter``
 micro-batches (one with ``write_interval="epoch"`` listed after ``ResourceGuard`` in ``callbacks`` sees
 the joined predictions: the callback joins them in ``on_predict_epoch_end``).
 
-The loop's loaders are replaced after it set them up and before it iterates them; Lightning internals
-touched: ``_EvaluationLoop._combined_loader`` / ``._max_batches``, ``_PredictionLoop._combined_loader``
-/ ``.max_batches`` / ``._predictions``, and the loops' ``reset()`` (which builds the iterator).
+The loop's loaders are replaced after it set them up and before it iterates them, through the loops'
+private attributes, each read in one function of :mod:`~resource_guard.frontdoors.lightning_internals`
+(the loop's combined loader, its batch counts, its iterator, the predictions).
 
 Example:
     >>> from torch.utils.data import BatchSampler, SequentialSampler
@@ -45,6 +45,12 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.frontdoors.lightning_internals import (
+    eval_batch_counts,
+    eval_combined_loader,
+    predict_outputs,
+    restart_eval_iterator,
+)
 from resource_guard.frontdoors.lightning_rebatch import _remade
 from resource_guard.step.batching import even_bounds, split_batch
 from resource_guard.step.training import batch_size_of
@@ -196,7 +202,7 @@ def apply_splits(
     match (an integer ``limit_*_batches`` counts loader batches of the loader's batch size); ``reset``:
     rebuild the loop's iterator (the loop already built it). Returns the indices replaced."""
     loop = _loop(trainer, stage)
-    combined = getattr(loop, "_combined_loader", None)
+    combined = eval_combined_loader(loop)
     if combined is None or not splits:
         return []
     loaders = list(combined.flattened)
@@ -208,7 +214,7 @@ def apply_splits(
     if not done:
         return []
     combined.flattened = loaders
-    counts = loop.max_batches if stage == "predict" else loop._max_batches
+    counts = eval_batch_counts(loop, stage)
     limit = getattr(trainer, f"limit_{'val' if stage == 'validate' else stage}_batches")
     for i in done:
         new = loaders[i]
@@ -222,10 +228,7 @@ def apply_splits(
             length = int(length * limit)
         counts[i] = length
     if reset:
-        fetcher = getattr(loop, "_data_fetcher", None)
-        if fetcher is not None:
-            fetcher.teardown()
-        loop.reset()
+        restart_eval_iterator(loop)
     return done
 
 
@@ -267,16 +270,16 @@ def regroup_predictions(trainer: pl.Trainer) -> None:
     """The predict loop's predictions of each split loader, one per loader batch (before it returns
     them)."""
     loop = trainer.predict_loop
-    combined = getattr(loop, "_combined_loader", None)
-    if combined is None or not loop._predictions:
+    combined, predictions = eval_combined_loader(loop), predict_outputs(loop)
+    if combined is None or not predictions:
         return
     for i, loader in enumerate(combined.flattened):
-        if not isinstance(loader, EvalSplitLoader) or i >= len(loop._predictions):
+        if not isinstance(loader, EvalSplitLoader) or i >= len(predictions):
             continue
-        made, joined, at = loop._predictions[i], [], 0
+        made, joined, at = predictions[i], [], 0
         for count in loader.counts:
             if at >= len(made):
                 break
             joined.append(regroup(made[at : at + count]))
             at += count
-        loop._predictions[i] = joined
+        predictions[i] = joined

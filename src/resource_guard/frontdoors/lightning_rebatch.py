@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -38,12 +38,27 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from resource_guard.errors import ConfigurationError
+from resource_guard.frontdoors.lightning_internals import (
+    drop_train_dataloader,
+    process_train_loader,
+    skip_inherited_step_hooks,
+    transform_train_source,
+)
 from resource_guard.step.batching import even_bounds, split_batch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from resource_guard.frontdoors.lightning_apply import Decisions
+
+class Split(Protocol):
+    """What re-batching reads of the callback's decisions (a ``lightning_apply.Decisions``)."""
+
+    @property
+    def micro_batch_size(self) -> int: ...
+
+    @property
+    def accumulation_steps(self) -> int: ...
+
 
 __all__ = ["LossWeights", "ReBatched", "ReBatchedLoader", "SplitBatchSampler", "parts_for", "rebatch"]
 
@@ -152,10 +167,8 @@ class LossWeights(Callback):
     even pieces of a full batch, so nothing is done), in the order the loader yielded them."""
 
     def __init__(self, weights: deque[float]) -> None:
-        from resource_guard.frontdoors.lightning_callback import _skip_inherited_step_hooks
-
         self.weights, self.current = weights, 1.0
-        _skip_inherited_step_hooks(self)  # Lightning then calls only the two hooks below, per step
+        skip_inherited_step_hooks(self)  # Lightning then calls only the two hooks below, per step
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.current = self.weights.popleft() if self.weights else 1.0
@@ -165,7 +178,7 @@ class LossWeights(Callback):
             loss.mul_(self.current)  # in place, recorded by autograd: the tensor the backward runs on
 
 
-def parts_for(pl_module: Any, current: int | None, decisions: Decisions) -> int:
+def parts_for(pl_module: Any, current: int | None, decisions: Split) -> int:
     """Micro-batches per loader batch, or ``ConfigurationError`` (with the remedy) when a loader batch of
     ``current`` rows cannot run as whole micro-batches of the plan."""
     micro, acc = decisions.micro_batch_size, decisions.accumulation_steps
@@ -207,8 +220,6 @@ class ReBatched:
 
     def transform(self, trainer: pl.Trainer, loaders: Any) -> ReBatchedLoader:
         """The user's train loader(s), as the fit loop asked for them → the re-batched loader."""
-        from resource_guard.frontdoors.lightning_apply import process_train_loader
-
         if isinstance(loaders, (Mapping, list, tuple)) or type(loaders).__name__ == "CombinedLoader":
             raise ConfigurationError(
                 "ResourceGuard re-batches one train dataloader, and this run has several; give each the "
@@ -230,12 +241,10 @@ class ReBatched:
             callbacks.remove(self.callback)
 
 
-def rebatch(trainer: pl.Trainer, pl_module: Any, current: int | None, decisions: Decisions) -> ReBatched:
+def rebatch(trainer: pl.Trainer, pl_module: Any, current: int | None, decisions: Split) -> ReBatched:
     """Run each train loader batch of ``current`` rows as micro-batches of the plan; counts the Trainer
     takes in loader batches (``limit_train_batches``, ``val_check_interval`` as ints) are scaled to
     micro-batches. Checks once, before step 0, that the re-batched loader can be made."""
-    from resource_guard.frontdoors.lightning_apply import drop_train_dataloader, transform_train_source
-
     done = ReBatched(parts_for(pl_module, current, decisions))
     try:
         done._undo.append(transform_train_source(trainer, lambda loaders: done.transform(trainer, loaders)))

@@ -14,12 +14,8 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from resource_guard.errors import ResourceGuardWarning
-from resource_guard.frontdoors.lightning_apply import (
-    Decisions,
-    detached_trainer,
-    drop_train_dataloader,
-    training_step_loss,
-)
+from resource_guard.frontdoors.lightning_apply import Decisions, detached_trainer, training_step_loss
+from resource_guard.frontdoors.lightning_internals import drop_train_dataloader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
