@@ -257,8 +257,6 @@ _AGREEMENT = textwrap.dedent(
     import torch
     from torch import nn
     from resource_guard import estimate_memory
-from resource_guard.devices import play_cpu
-from resource_guard.devices.cpu import process_cpu_profile
     from resource_guard.estimate.host.cpu_support import reduced_gemm_packs
     from resource_guard.step.precision import parse_precision
     from resource_guard.step.training import training_step
