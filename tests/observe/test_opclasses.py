@@ -113,6 +113,24 @@ def test_host_timeline_sums_self_times_by_class_and_names_call_sites() -> None:
     assert b.syncs == 1 and b.sync_idle_us == 0.0  # a CPU .item() waits for nothing
 
 
+def test_a_copy_counts_the_allocation_of_its_result_and_clones_are_copies() -> None:
+    events = [
+        _ev("ProfilerStep#1", 0, 1000),
+        _ev("train.py(10): step", 0, 900, python=True),
+        _ev("aten::to", 100, 100, self_us=5),
+        _ev("aten::_to_copy", 102, 95, self_us=10),
+        _ev("aten::empty_strided", 103, 15),  # the result's allocation: part of the cast
+        _ev("aten::copy_", 120, 70),
+        _ev("aten::clone", 300, 60, self_us=10),
+        _ev("aten::empty_like", 301, 10),
+        _ev("aten::copy_", 312, 40),
+        _ev("aten::empty_strided", 500, 30),  # outside any copy: not a cast
+    ]
+    classes = dict(op_breakdown(events, steps=1).class_us)
+    assert classes["casts"] == 5 + 10 + 15 + 70 + 10 + 10 + 40
+    assert classes["elementwise"] == 30
+
+
 def test_device_timeline_exposed_comm_and_sync_idle() -> None:
     events = [
         _ev("ProfilerStep#1", 0, 1000),
