@@ -131,6 +131,22 @@ def test_a_copy_counts_the_allocation_of_its_result_and_clones_are_copies() -> N
     assert classes["elementwise"] == 30
 
 
+def test_forward_and_backward_in_an_optimizer_s_closure_are_not_optimizer_ops() -> None:
+    """Lightning calls ``optimizer.step(closure)``: the training step runs inside the step's span."""
+    events = [
+        _ev("ProfilerStep#1", 0, 1000),
+        _ev("Optimizer.step#AdamW.step", 0, 900, self_us=10),
+        _ev("lightning/pytorch/loops/optimization/automatic.py(140): closure", 5, 600, python=True),
+        _ev("aten::addmm", 10, 200),
+        _ev("aten::gelu_backward", 300, 100),
+        _ev("aten::_foreach_mul_", 700, 50),
+        _ev("aten::addcdiv_", 800, 40),
+    ]
+    classes = dict(op_breakdown(events, steps=1).class_us)
+    assert classes["matmul"] == 200 and classes["elementwise"] == 100
+    assert classes["optimizer"] == 90
+
+
 def test_device_timeline_exposed_comm_and_sync_idle() -> None:
     events = [
         _ev("ProfilerStep#1", 0, 1000),

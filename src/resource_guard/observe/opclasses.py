@@ -98,6 +98,7 @@ PATTERNS: tuple[tuple[str, str, str, str], ...] = (
 _COMPILED = tuple((cls, where, re.compile(pattern)) for cls, where, pattern, _ in PATTERNS)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 _OPTIMIZER_SPAN = re.compile(r"^Optimizer\.(step|zero_grad)#")
+_CLOSURE_FRAME = re.compile(r": \w*closure$")  # ``optimizer.step(closure)``'s closure (Lightning's)
 # frames that are not the user's: the libraries between the user's line and the op
 _LIBRARY_FRAME = re.compile(
     r"^(<built-in|<frozen)|(^|/)(torch|torchvision|lightning|lightning_fabric|pytorch_lightning|"
@@ -284,33 +285,31 @@ def _enclosures(events: list[EventRecord]) -> tuple[set[int], set[int], dict[int
             by_thread.setdefault(ev.thread, []).append(ev)
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e.start_us, -(e.end_us or 0.0)))
-        open_spans: list[tuple[float, EventRecord, str | None]] = []
-        open_optimizer = open_cast = 0
+        # (end, frame, kind): kind "opt" (an optimizer span), "closure" (the closure an optimizer's
+        # step calls: Lightning runs forward and backward there; they are not the optimizer's ops),
+        # "cast" (a copy op), or None (a Python frame)
+        open_spans: list[tuple[float, str | None, str | None]] = []
         for ev in evs:
             start = ev.start_us or 0.0
             while open_spans and open_spans[-1][0] <= start:
-                _, closed, _ = open_spans.pop()
-                if _OPTIMIZER_SPAN.match(closed.name):
-                    open_optimizer -= 1
-                elif _is_cast(closed):
-                    open_cast -= 1
+                open_spans.pop()
             if ev.python:
                 frame = None if _LIBRARY_FRAME.search(ev.name) else user_frame((ev.name,))
-                open_spans.append((ev.end_us or start, ev, frame))
+                kind = "closure" if _CLOSURE_FRAME.search(ev.name) else None
+                open_spans.append((ev.end_us or start, frame, kind))
                 continue
-            if open_optimizer:
+            kinds = [k for _, _, k in open_spans if k is not None]
+            if next((k for k in reversed(kinds) if k != "cast"), None) == "opt":
                 optimizer.add(id(ev))
-            if open_cast:
+            if "cast" in kinds:
                 in_cast.add(id(ev))
-            site = next((f for _, _, f in reversed(open_spans) if f is not None), None)
+            site = next((f for _, f, _ in reversed(open_spans) if f is not None), None)
             if site is not None:
                 sites[id(ev)] = site
             if _OPTIMIZER_SPAN.match(ev.name):
-                open_optimizer += 1
-                open_spans.append((ev.end_us or start, ev, None))
+                open_spans.append((ev.end_us or start, None, "opt"))
             elif ev.end_us is not None and ev.end_us > start and _is_cast(ev):
-                open_cast += 1
-                open_spans.append((ev.end_us, ev, None))
+                open_spans.append((ev.end_us, None, "cast"))
     return optimizer, in_cast, sites
 
 
