@@ -99,3 +99,22 @@ def test_recompiles_during_the_run_are_read_from_dynamo(tmp_path: Path) -> None:
     assert report.stats.compile["recompiles"] >= 2  # a new length each step, shapes static
     f = report.finding("recompiles")
     assert f is not None and "size mismatch" in " ".join(f.advice)
+
+
+def test_memory_is_not_sampled_while_the_profiler_records(tmp_path: Path) -> None:
+    """The profiler's event buffers grow host memory step by step: no memory-growth evidence there."""
+    from resource_guard.observe.profiling import ProfileWindow
+
+    sampled: list[bool] = []
+    mon = RunMonitor(tmp_path, summary=False, profile=ProfileWindow(skip_first=0, wait=0, warmup=1, active=3))
+    original = mon._sample_memory
+
+    def sample(memory: object) -> None:
+        assert mon._profiler is not None
+        sampled.append(mon._profiler.running)
+        original(memory)  # type: ignore[arg-type]
+
+    mon._sample_memory = sample  # type: ignore[method-assign]
+    _run(mon, lambda x: x.sum(), n=12)
+    mon.close()
+    assert sampled and not any(sampled)

@@ -336,7 +336,8 @@ class RunMonitor(MonitorOutputs):
                 phases.charge(now)
             self._step += 1
             memory = self._memory
-            if memory is not None and self._step >= memory.next_step:
+            # not while the profiler records: its event buffers grow host memory step by step
+            if memory is not None and self._step >= memory.next_step and not self._profiling():
                 self._guard("memory growth", self._sample_memory, memory, off="_memory")
             self._nested = None
             if self._open_event is not None:
@@ -360,6 +361,10 @@ class RunMonitor(MonitorOutputs):
     def note(self, text: str) -> None:
         """Add a line to the report's notes (e.g. the evaluation step's pre-flight)."""
         self._notes.append(str(text))
+
+    def _profiling(self) -> bool:
+        profiler = self._profiler
+        return profiler is not None and profiler.running
 
     def _sample_memory(self, memory: MemoryWatch) -> None:
         signature = self._signature
