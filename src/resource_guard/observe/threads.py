@@ -1,13 +1,13 @@
 """How many CPU threads a run asks for, against the cores it may use, and what the excess costs.
 
-:func:`thread_demand` is read when monitoring starts, and the intra-op count again at the end (a loop
-that calls ``torch.set_num_threads`` after the monitor started ran at that count): torch's intra-op threads, the processes of
-this node (``LOCAL_WORLD_SIZE`` as torchrun and Lightning set it, else the world size) and the
-DataLoader workers (each worker runs torch with one thread: ``torch.utils.data`` sets it). When the
-demand exceeds the cores, :func:`oversubscription_slowdown` measures, once at the end of the run, how
-much slower a small parallel workload (matmuls and elementwise ops, sized like the run's typical op)
-runs at the run's thread count than at a count that fits: the ``threads`` finding's measured cost. Nothing here runs when the
-demand fits.
+:func:`thread_demand` is read when monitoring starts, and the intra-op count again at the end (a
+loop that calls ``torch.set_num_threads`` after the monitor started ran at that count): torch's
+intra-op threads, the processes of this node (``LOCAL_WORLD_SIZE`` as torchrun and Lightning set
+it, else the world size) and the DataLoader workers (each worker runs torch with one thread:
+``torch.utils.data`` sets it). When the demand exceeds the cores, :func:`oversubscription_slowdown`
+measures, once at the end of the run, how much slower a small parallel workload (matmuls and
+elementwise ops, sized like the run's typical op) runs at the run's thread count than at a count
+that fits: the ``threads`` finding's measured cost. Nothing here runs when the demand fits.
 
 Example:
     >>> d = thread_demand(intra_op=16, processes=1, workers=0, cores=2)
