@@ -70,6 +70,7 @@ def test_the_typical_op_is_weighted_by_time() -> None:
 def test_the_probe_s_ops_last_about_as_long_as_the_run_s(monkeypatch: pytest.MonkeyPatch) -> None:
     widths: list[int] = []
     monkeypatch.setattr(threads, "_best", lambda n, w: widths.append(w) or (0.001 if n <= 2 else 0.002))
+    monkeypatch.setattr(threads, "_matmul_us", lambda w: w / 10.0)  # 12.8 us at 128 wide ... 204.8 at 2048
     before = torch.get_num_threads()
     demand = thread_demand(intra_op=16, processes=1, workers=0, cores=2)
     assert oversubscription_slowdown(demand, op_us=1e-3) == pytest.approx(2.0)  # tiny ops: the narrowest
@@ -77,6 +78,9 @@ def test_the_probe_s_ops_last_about_as_long_as_the_run_s(monkeypatch: pytest.Mon
     widths.clear()
     oversubscription_slowdown(demand, op_us=1e9)  # ops longer than any probe: the widest
     assert set(widths) == {threads._WIDTHS[-1]}
+    widths.clear()
+    oversubscription_slowdown(demand, op_us=60.0)  # closest (log scale): 51.2 us at 512 wide
+    assert set(widths) == {512}
     widths.clear()
     oversubscription_slowdown(demand)  # unknown: the default
     assert set(widths) == {threads._DEFAULT_WIDTH}
