@@ -12,14 +12,26 @@ their defaults (monitoring and the profiler window on):
 | evaluation | an evaluation pass every other step | ``evaluation`` |
 | checkpoint | ``torch.save`` of model and optimizer every step | ``checkpoint-io`` |
 | logging | 200 scalars logged every step | ``logging`` |
-| threads | ``torch.set_num_threads(16)`` on the cores available | ``threads`` (the op-level rules) |
-| casts | bf16 copies of the weights made every step | ``casts`` (the op-level rules) |
+| threads | ``torch.set_num_threads(16)`` on the cores available (clean: as many as cores) | ``threads`` |
+| casts | weights and gradients rounded through bf16 every step, by hand | ``casts`` (the op-level rules) |
 
-Per case it prints: the cause's measured share of the step (``1 - clean / with``, both the monitor's
-mean step time), the report's first finding, its stated share (its evidence key ending in
-``share``), and its predicted gain (``step - predicted_step_s``) against the measured gain
-(``with - clean``). Targets (issue 29): every cause named first; stated share within 10 points of the
-measured one; predicted gain within 25% of the measured gain; no warning on a clean loop.
+Per case it prints: the cause's measured share of the step (``1 - clean / with``, the medians over
+``--rounds`` interleaved clean/cause runs of the monitor's mean step time), the report's first finding
+(the one named in most rounds), its stated share (its evidence key ending in ``share``; the median
+over the rounds that named it), and its predicted gain (``step - predicted_step_s``, median) against
+the measured gain (``with - clean``). Targets (issue 29): every cause named first; stated share within
+10 points of the measured one; predicted gain within 25% of the measured gain; no warning on a clean
+loop.
+
+The host case: the clean loops' ``host`` phase is 0.01-0.15 ms (under 1% of the step: the loop's
+own Python between steps, the monitor's step bookkeeping), so the host-loop finding's stated share
+(``host`` / step) needs no clean baseline subtracted; a large gap between stated and measured share
+there is the machine's load changing between the clean and the cause run, which the interleaved
+rounds and medians are for.
+
+The threads case: its clean loop is the advice applied (as many threads as cores). On a shared
+machine whose cores are busy with other processes, two threads can be slower than sixteen (an OpenMP
+barrier waits for a descheduled peer), and the end-of-run probe then rightly measures no cost.
 
 In guard loops, saving and logging are wrapped in ``g.phase("checkpoint")`` / ``g.phase("logging")``
 (the guard cannot see inside the user's loop body otherwise: unwrapped they are ``host-loop``);
@@ -85,7 +97,9 @@ CASES = (
     Case("evaluation", "evaluation", Loop(eval_every=2)),
     Case("checkpoint", "checkpoint-io", Loop(save_every=1)),
     Case("logging", "logging", Loop(log_scalars=200)),
-    Case("threads", "threads", Loop(threads=16)),
+    # the clean loop is the advice applied: as many threads as cores (2 here; the zoo's other loops
+    # run one thread, so that a loaded machine's noise stays out of their comparisons)
+    Case("threads", "threads", Loop(threads=16), Loop(threads=min(2, os.cpu_count() or 1))),
     Case("casts", "casts", Loop(casts=True)),
 )
 
@@ -115,9 +129,12 @@ def build_model(loop: Loop) -> nn.Module:
         layers: list[nn.Module] = [nn.Linear(FEATURES, 16)]
         layers += [nn.Linear(16, 16) for _ in range(178)]
         return nn.Sequential(*layers, nn.Linear(16, 1))
-    return nn.Sequential(
+    model = nn.Sequential(
         nn.Linear(FEATURES, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1)
     )
+    if loop.casts:
+        cast_grads(model)
+    return model
 
 
 def host_metrics(out: torch.Tensor, n: int) -> float:
@@ -130,9 +147,24 @@ def host_metrics(out: torch.Tensor, n: int) -> float:
 
 
 def cast_weights(model: nn.Module) -> None:
-    """bf16 copies of every weight, made every step (as a hand-rolled mixed precision would)."""
+    """A hand-rolled mixed precision: the fp32 master weights rounded through bf16 every step before
+    the forward (the step computes in fp32, so that only the casts differ from the clean loop)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+
+
+def cast_grads(model: nn.Module) -> None:
+    """... and each gradient rounded through bf16 as backward accumulates it (as a bf16 all-reduce
+    would): a hook, so that both doors (whose backward also steps the optimizer) do it alike."""
+
+    def hook(p: torch.Tensor) -> None:
+        assert p.grad is not None
+        with torch.no_grad():
+            p.grad.copy_(p.grad.to(torch.bfloat16).to(torch.float32))
+
     for p in model.parameters():
-        p.detach().to(torch.bfloat16).to(torch.float32)
+        p.register_post_accumulate_grad_hook(hook)
 
 
 def _first(report: Any) -> tuple[str, float | None, float | None]:
@@ -258,17 +290,25 @@ def run(loop: Loop, door: str, steps: int) -> Any:
 
 
 def measure(case: Case, door: str, steps: int, rounds: int) -> dict[str, Any]:
-    """Clean and cause interleaved ``rounds`` times; the median step times and the last reports."""
-    clean_s, cause_s, clean_r, cause_r = [], [], None, None
+    """Clean and cause interleaved ``rounds`` times (so that a change in the machine's load hits both);
+    the median step times, the first finding named most often, and the medians of its stated share and
+    predicted gain over the rounds that named it."""
+    clean_s, cause_s, firsts, clean_r = [], [], [], None
     for _ in range(rounds):
         clean_r = run(case.clean, door, steps)
         cause_r = run(case.cause, door, steps)
         clean_s.append(clean_r.stats.step_time_s)
         cause_s.append(cause_r.stats.step_time_s)
-    assert clean_r is not None and cause_r is not None
+        first, stated, predicted = _first(cause_r)
+        gain = None if predicted is None else cause_r.stats.step_time_s - predicted
+        firsts.append((first, stated, gain, _warnings(clean_r), clean_r.findings[0].id))
+    assert clean_r is not None
     clean, cause = statistics.median(clean_s), statistics.median(cause_s)
-    first, stated, predicted = _first(cause_r)
-    step = cause_r.stats.step_time_s
+    names = [f[0] for f in firsts]
+    first = case.expected if case.expected in names and names.count(case.expected) * 2 >= len(names) else None
+    first = first or max(set(names), key=names.count)
+    stated_all = [f[1] for f in firsts if f[0] == first and f[1] is not None]
+    gains = [f[2] for f in firsts if f[0] == first and f[2] is not None]
     return {
         "case": case.name,
         "door": door,
@@ -277,11 +317,12 @@ def measure(case: Case, door: str, steps: int, rounds: int) -> dict[str, Any]:
         "cause_ms": cause * 1e3,
         "measured_share": 1 - clean / cause,
         "first": first,
-        "stated_share": stated,
-        "predicted_gain_ms": None if predicted is None else (step - predicted) * 1e3,
+        "firsts": names,
+        "stated_share": statistics.median(stated_all) if stated_all else None,
+        "predicted_gain_ms": statistics.median(gains) * 1e3 if gains else None,
         "measured_gain_ms": (cause - clean) * 1e3,
-        "clean_warnings": _warnings(clean_r),
-        "clean_first": clean_r.findings[0].id,
+        "clean_warnings": max(f[3] for f in firsts),
+        "clean_first": next((f[4] for f in firsts if f[3]), clean_r.findings[0].id),
     }
 
 
@@ -316,7 +357,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--door", choices=("guard", "lightning", "both"), default="both")
     args = parser.parse_args(argv)
     steps = args.steps or (12 if args.quick else 40)
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds or (1 if args.quick else 3)
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
@@ -341,7 +382,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 f"{row['case']:<11} {door:<9} {row['clean_ms']:8.2f} {row['cause_ms']:8.2f} "
                 f"{row['measured_share']:6.0%} {row['first']:<15} {_fmt(row['stated_share'], '6.0%')} "
                 f"{_fmt(row['predicted_gain_ms'], '10.2f')} {row['measured_gain_ms']:10.2f}  {marks}"
-                + ("" if ok["clean"] else f"  (clean loop: {row['clean_first']})"),
+                + ("" if ok["clean"] else f"  (clean loop: {row['clean_first']})")
+                + ("" if len(set(row["firsts"])) == 1 else f"  (rounds: {', '.join(row['firsts'])})"),
                 flush=True,
             )
     for key, text in (

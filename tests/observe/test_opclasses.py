@@ -113,6 +113,40 @@ def test_host_timeline_sums_self_times_by_class_and_names_call_sites() -> None:
     assert b.syncs == 1 and b.sync_idle_us == 0.0  # a CPU .item() waits for nothing
 
 
+def test_a_copy_counts_the_allocation_of_its_result_and_clones_are_copies() -> None:
+    events = [
+        _ev("ProfilerStep#1", 0, 1000),
+        _ev("train.py(10): step", 0, 900, python=True),
+        _ev("aten::to", 100, 100, self_us=5),
+        _ev("aten::_to_copy", 102, 95, self_us=10),
+        _ev("aten::empty_strided", 103, 15),  # the result's allocation: part of the cast
+        _ev("aten::copy_", 120, 70),
+        _ev("aten::clone", 300, 60, self_us=10),
+        _ev("aten::empty_like", 301, 10),
+        _ev("aten::copy_", 312, 40),
+        _ev("aten::empty_strided", 500, 30),  # outside any copy: not a cast
+    ]
+    classes = dict(op_breakdown(events, steps=1).class_us)
+    assert classes["casts"] == 5 + 10 + 15 + 70 + 10 + 10 + 40
+    assert classes["elementwise"] == 30
+
+
+def test_forward_and_backward_in_an_optimizer_s_closure_are_not_optimizer_ops() -> None:
+    """Lightning calls ``optimizer.step(closure)``: the training step runs inside the step's span."""
+    events = [
+        _ev("ProfilerStep#1", 0, 1000),
+        _ev("Optimizer.step#AdamW.step", 0, 900, self_us=10),
+        _ev("lightning/pytorch/loops/optimization/automatic.py(140): closure", 5, 600, python=True),
+        _ev("aten::addmm", 10, 200),
+        _ev("aten::gelu_backward", 300, 100),
+        _ev("aten::_foreach_mul_", 700, 50),
+        _ev("aten::addcdiv_", 800, 40),
+    ]
+    classes = dict(op_breakdown(events, steps=1).class_us)
+    assert classes["matmul"] == 200 and classes["elementwise"] == 100
+    assert classes["optimizer"] == 90
+
+
 def test_device_timeline_exposed_comm_and_sync_idle() -> None:
     events = [
         _ev("ProfilerStep#1", 0, 1000),

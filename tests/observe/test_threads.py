@@ -36,7 +36,7 @@ def test_the_probe_compares_the_run_s_count_with_the_fitting_one_and_restores_it
 ) -> None:
     seen: list[int] = []
 
-    def best(n: int) -> float:  # the workload's time at n threads, as a machine with 2 free cores gives it
+    def best(n: int, width: int = 0) -> float:  # the workload's time at n threads, as 2 free cores give it
         seen.append(n)
         torch.set_num_threads(n)
         return {2: 0.001, 16: 0.004}[n]
@@ -56,4 +56,32 @@ def test_the_probe_runs_the_real_workload_and_restores_the_thread_count() -> Non
     before = torch.get_num_threads()
     slowdown = oversubscription_slowdown(thread_demand(intra_op=4, processes=1, workers=0, cores=1))
     assert slowdown is not None and slowdown > 0
+    assert torch.get_num_threads() == before
+
+
+def test_the_typical_op_is_weighted_by_time() -> None:
+    # 1000 us in 10 ops of 100 us, 10 us in 100 ops of 0.1 us: the step's time is in the 100 us ops
+    assert threads.typical_op_us([("aten::mm", 10, 1000.0), ("aten::add", 100, 10.0)]) == pytest.approx(
+        (1000 * 100 + 10 * 0.1) / 1010
+    )
+    assert threads.typical_op_us([]) is None and threads.typical_op_us([("aten::mm", 0, 5.0)]) is None
+
+
+def test_the_probe_s_ops_last_about_as_long_as_the_run_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    widths: list[int] = []
+    monkeypatch.setattr(threads, "_best", lambda n, w: widths.append(w) or (0.001 if n <= 2 else 0.002))
+    monkeypatch.setattr(threads, "_matmul_us", lambda w: w / 10.0)  # 12.8 us at 128 wide ... 204.8 at 2048
+    before = torch.get_num_threads()
+    demand = thread_demand(intra_op=16, processes=1, workers=0, cores=2)
+    assert oversubscription_slowdown(demand, op_us=1e-3) == pytest.approx(2.0)  # tiny ops: the narrowest
+    assert set(widths) == {threads._WIDTHS[0]}
+    widths.clear()
+    oversubscription_slowdown(demand, op_us=1e9)  # ops longer than any probe: the widest
+    assert set(widths) == {threads._WIDTHS[-1]}
+    widths.clear()
+    oversubscription_slowdown(demand, op_us=60.0)  # closest (log scale): 51.2 us at 512 wide
+    assert set(widths) == {512}
+    widths.clear()
+    oversubscription_slowdown(demand)  # unknown: the default
+    assert set(widths) == {threads._DEFAULT_WIDTH}
     assert torch.get_num_threads() == before

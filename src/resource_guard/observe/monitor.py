@@ -335,31 +335,41 @@ class RunMonitor(MonitorOutputs):
             if phases is not None:
                 phases.charge(now)
             self._step += 1
+            own_work = False  # the monitor's own time since ``now``: left out of the step's phases
             memory = self._memory
-            if memory is not None and self._step >= memory.next_step:
+            # not while the profiler records: its event buffers grow host memory step by step
+            if memory is not None and self._step >= memory.next_step and not self._profiling():
                 self._guard("memory growth", self._sample_memory, memory, off="_memory")
+                own_work = True
             self._nested = None
             if self._open_event is not None:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 self._events.append((self._open_event, end))
                 self._open_event = None
-            if self._profiler is not None:
-                self._guard("profiler", self._profiler.step, off="_profiler")
+            if self._profiling():
+                self._guard("profiler", self._profiler.step, off="_profiler")  # type: ignore[union-attr]
+                own_work = True
             if self._step == 1 or self._step % self.log_every_n_steps == 0:
                 self._log_interval(_clock())
                 if self._sampler is not None:
                     self._warn_sampler()
-            now = _clock()
-            timer.resume(now)  # profiling and logging are the monitor's time, not a data wait
-            if phases is not None:
-                phases.skip(now)
+                own_work = True
+            if own_work:  # on most steps nothing: no second clock read
+                now = _clock()
+                timer.resume(now)  # profiling and logging are the monitor's time, not a data wait
+                if phases is not None:
+                    phases.skip(now)
         except Exception as exc:
             self._break(exc)
 
     def note(self, text: str) -> None:
         """Add a line to the report's notes (e.g. the evaluation step's pre-flight)."""
         self._notes.append(str(text))
+
+    def _profiling(self) -> bool:
+        profiler = self._profiler
+        return profiler is not None and profiler.running
 
     def _sample_memory(self, memory: MemoryWatch) -> None:
         signature = self._signature

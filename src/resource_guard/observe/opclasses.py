@@ -70,7 +70,7 @@ PATTERNS: tuple[tuple[str, str, str, str], ...] = (
     ("communication", "device", r"(?i)nccl", "NCCL kernel names (ncclKernel_*, ncclDevKernel_*)"),
     ("optimizer", "host", r"^(aten::_foreach_|aten::_fused_(adam|sgd|adagrad))", "torch.optim"),
     ("optimizer", "device", r"multi_tensor_apply|fused_adam|FusedAdam|fused_sgd", "torch.optim kernels"),
-    ("casts", "host", r"^aten::(copy_|to|_to_copy|type_as|_autocast_to_reduced_precision)$", "aten"),
+    ("casts", "host", r"^aten::(copy_|to|_to_copy|type_as|clone|_autocast_to_reduced_precision)$", "aten"),
     ("casts", "device", r"^Memcpy DtoD|copy_kernel|direct_copy", "ATen Copy.cu / CUDA memcpy"),
     (
         "attention",
@@ -98,6 +98,7 @@ PATTERNS: tuple[tuple[str, str, str, str], ...] = (
 _COMPILED = tuple((cls, where, re.compile(pattern)) for cls, where, pattern, _ in PATTERNS)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 _OPTIMIZER_SPAN = re.compile(r"^Optimizer\.(step|zero_grad)#")
+_CLOSURE_FRAME = re.compile(r": \w*closure$")  # ``optimizer.step(closure)``'s closure (Lightning's)
 # frames that are not the user's: the libraries between the user's line and the op
 _LIBRARY_FRAME = re.compile(
     r"^(<built-in|<frozen)|(^|/)(torch|torchvision|lightning|lightning_fabric|pytorch_lightning|"
@@ -203,7 +204,7 @@ def op_breakdown(events: Iterable[EventRecord], steps: int) -> OpBreakdown:
     host = [e for e in evs if not e.on_device and not e.python]
     on_device = any(not e.name.startswith("Memset") for e in device)
     totals = dict.fromkeys(OP_CLASSES, 0.0)
-    optimizer_ops, sites = _enclosures(evs)
+    optimizer_ops, cast_ops, sites = _enclosures(evs)
     sync_sites: dict[str, list[float]] = {}
     cast_sites: dict[str, list[float]] = {}
     syncs = 0
@@ -224,6 +225,8 @@ def op_breakdown(events: Iterable[EventRecord], steps: int) -> OpBreakdown:
                     sync_ends.append(ev.end_us)
             totals["sync"] += ev.duration_us
             continue
+        if id(ev) in cast_ops and cls != "communication":
+            cls = "casts"  # inside a copy: its result's allocation (empty_strided, empty_like)
         if cls == "casts":  # aten::to > _to_copy > copy_: one call per copy_, the time of all three
             _add(cast_sites, site, ev.duration_us, int(ev.name == "aten::copy_"))
         if id(ev) in optimizer_ops and cls != "communication":
@@ -266,12 +269,15 @@ def _top(table: dict[str, list[float]], per: int) -> tuple[tuple[str, float, flo
     return tuple((site, n / per, round(us / per, 1)) for site, (n, us) in rows)
 
 
-def _enclosures(events: list[EventRecord]) -> tuple[set[int], dict[int, str]]:
-    """Per host op: whether an optimizer span encloses it, and its innermost user Python frame.
+def _enclosures(events: list[EventRecord]) -> tuple[set[int], set[int], dict[int, str]]:
+    """Per host op: whether an optimizer span encloses it, whether a cast/copy op does (the
+    ``empty_strided`` a ``_to_copy`` allocates its result with is part of the copy's cost), and its
+    innermost user Python frame.
 
     One sweep per thread over the spans in start order, keeping the open ones on a stack.
     """
     optimizer: set[int] = set()
+    in_cast: set[int] = set()
     sites: dict[int, str] = {}
     by_thread: dict[int, list[EventRecord]] = {}
     for ev in events:
@@ -279,27 +285,36 @@ def _enclosures(events: list[EventRecord]) -> tuple[set[int], dict[int, str]]:
             by_thread.setdefault(ev.thread, []).append(ev)
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e.start_us, -(e.end_us or 0.0)))
-        open_spans: list[tuple[float, EventRecord, str | None]] = []
-        open_optimizer = 0
+        # (end, frame, kind): kind "opt" (an optimizer span), "closure" (the closure an optimizer's
+        # step calls: Lightning runs forward and backward there; they are not the optimizer's ops),
+        # "cast" (a copy op), or None (a Python frame)
+        open_spans: list[tuple[float, str | None, str | None]] = []
         for ev in evs:
             start = ev.start_us or 0.0
             while open_spans and open_spans[-1][0] <= start:
-                _, closed, _ = open_spans.pop()
-                if _OPTIMIZER_SPAN.match(closed.name):
-                    open_optimizer -= 1
+                open_spans.pop()
             if ev.python:
                 frame = None if _LIBRARY_FRAME.search(ev.name) else user_frame((ev.name,))
-                open_spans.append((ev.end_us or start, ev, frame))
+                kind = "closure" if _CLOSURE_FRAME.search(ev.name) else None
+                open_spans.append((ev.end_us or start, frame, kind))
                 continue
-            if open_optimizer:
+            kinds = [k for _, _, k in open_spans if k is not None]
+            if next((k for k in reversed(kinds) if k != "cast"), None) == "opt":
                 optimizer.add(id(ev))
-            site = next((f for _, _, f in reversed(open_spans) if f is not None), None)
+            if "cast" in kinds:
+                in_cast.add(id(ev))
+            site = next((f for _, f, _ in reversed(open_spans) if f is not None), None)
             if site is not None:
                 sites[id(ev)] = site
             if _OPTIMIZER_SPAN.match(ev.name):
-                open_optimizer += 1
-                open_spans.append((ev.end_us or start, ev, None))
-    return optimizer, sites
+                open_spans.append((ev.end_us or start, None, "opt"))
+            elif ev.end_us is not None and ev.end_us > start and _is_cast(ev):
+                open_spans.append((ev.end_us, None, "cast"))
+    return optimizer, in_cast, sites
+
+
+def _is_cast(ev: EventRecord) -> bool:
+    return not ev.python and not ev.on_device and classify(ev.name, on_device=False) == "casts"
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -200,7 +200,8 @@ class MonitorOutputs:
                 "optimizer facts", lambda: tuple(describe_optimizer(o) for o in self.optimizers)
             )
             stats = dataclasses.replace(stats, optimizers=facts or ())
-        threads = self._guard("thread figures", self._thread_figures)
+        profile_ops = stats.profile.top_ops if stats.profile is not None else ()
+        threads = self._guard("thread figures", lambda: self._thread_figures(profile_ops))
         compiled = self._guard("compile figures", self._compile_figures)
         stats = dataclasses.replace(stats, threads=threads, compile=compiled)
         if self.shape_stats is None:  # the front doors' shape guard, when on
@@ -221,16 +222,22 @@ class MonitorOutputs:
         share = means["data_wait"] / step if step else None
         return dataclasses.replace(stats, phases=means, data_wait_s=means["data_wait"], data_wait_share=share)
 
-    def _thread_figures(self) -> dict[str, Any] | None:
-        """The thread demand read at start; when it exceeds the cores, the slowdown it costs, measured
-        now (a fraction of a second, only then)."""
-        from resource_guard.observe.threads import oversubscription_slowdown
+    def _thread_figures(self, top_ops: Any = ()) -> dict[str, Any] | None:
+        """The thread demand read at start, with the intra-op count read again now (a loop may set it
+        after the monitor started: the larger of the two is what the loop ran at); when it exceeds the
+        cores, the slowdown it costs, measured now on ops sized like the run's (a fraction of a second,
+        only then)."""
+        from resource_guard.observe.threads import oversubscription_slowdown, typical_op_us
 
         demand = self._threads
         if demand is None:
             return None
+        now = torch.get_num_threads()
+        if now > demand.intra_op:
+            demand = dataclasses.replace(demand, intra_op=now)
         out: dict[str, Any] = demand.to_dict()
-        out["slowdown"] = oversubscription_slowdown(demand) if demand.oversubscribed else None
+        op_us = typical_op_us(top_ops)
+        out["slowdown"] = oversubscription_slowdown(demand, op_us) if demand.oversubscribed else None
         return out
 
     def _compile_figures(self) -> dict[str, Any] | None:

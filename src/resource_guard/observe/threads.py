@@ -1,12 +1,13 @@
 """How many CPU threads a run asks for, against the cores it may use, and what the excess costs.
 
-:func:`thread_demand` is read when monitoring starts: torch's intra-op threads, the processes of
-this node (``LOCAL_WORLD_SIZE`` as torchrun and Lightning set it, else the world size) and the
-DataLoader workers (each worker runs torch with one thread: ``torch.utils.data`` sets it). When the
-demand exceeds the cores, :func:`oversubscription_slowdown` measures, once at the end of the run, how
-much slower a small parallel workload (matmuls and elementwise ops) runs at the run's thread count
-than at a count that fits: the ``threads`` finding's measured cost. Nothing here runs when the
-demand fits.
+:func:`thread_demand` is read when monitoring starts, and the intra-op count again at the end (a
+loop that calls ``torch.set_num_threads`` after the monitor started ran at that count): torch's
+intra-op threads, the processes of this node (``LOCAL_WORLD_SIZE`` as torchrun and Lightning set
+it, else the world size) and the DataLoader workers (each worker runs torch with one thread:
+``torch.utils.data`` sets it). When the demand exceeds the cores, :func:`oversubscription_slowdown`
+measures, once at the end of the run, how much slower a small parallel workload (matmuls and
+elementwise ops, sized like the run's typical op) runs at the run's thread count than at a count
+that fits: the ``threads`` finding's measured cost. Nothing here runs when the demand fits.
 
 Example:
     >>> d = thread_demand(intra_op=16, processes=1, workers=0, cores=2)
@@ -16,13 +17,15 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ThreadDemand", "thread_demand", "local_processes", "oversubscription_slowdown"]
+__all__ = ["ThreadDemand", "thread_demand", "local_processes", "typical_op_us", "oversubscription_slowdown"]
 
 _PROBE_REPEATS = 3
 _PROBE_ROUNDS = 2  # at least
@@ -86,29 +89,75 @@ def thread_demand(*, intra_op: int, processes: int, workers: int, cores: int | N
     return ThreadDemand(max(1, intra_op), max(1, processes), max(0, workers), cores)
 
 
-def _workload() -> None:
-    a = torch.ones(192, 192)
+# The probe's matmul widths: (64, n) @ (n, n) and the elementwise ops on its result. What
+# oversubscription costs depends on how long each parallel region lasts (the spin-waits and context
+# switches are paid per region): a 192-wide matmul is slowed several times at 16 threads on 2 cores
+# where a 1024-wide one, a training step's usual op, is slowed by a third. The width is chosen so
+# that one matmul lasts about as long as the run's typical op (:func:`typical_op_us`).
+_WIDTHS = (128, 256, 512, 1024, 2048)
+_DEFAULT_WIDTH = 512
+
+
+def typical_op_us(top_ops: Sequence[tuple[str, int, float]]) -> float | None:
+    """The duration of the op that carries the typical microsecond of a step: the mean duration of
+    the profiled ops weighted by their time (``top_ops``: ``(op, calls, us)`` per step)."""
+    rows = [(calls, us) for _, calls, us in top_ops if calls > 0 and us > 0]
+    total = sum(us for _, us in rows)
+    return sum(us * us / calls for calls, us in rows) / total if total > 0 else None
+
+
+def _workload(width: int) -> None:
+    a = torch.full((64, width), 1e-2)
+    w = torch.full((width, width), 1e-3)
     for _ in range(4):
-        a = torch.mm(a, a).mul_(1e-3).add_(1.0)
-    torch.ones(1 << 18).mul_(2.0).add_(1.0).sum()
+        a = torch.mm(a, w).mul_(0.5).add_(1e-2)
 
 
-def _best(threads: int) -> float:
+def _width(op_us: float | None, threads: int) -> int:
+    """The width whose matmul at ``threads`` lasts closest to ``op_us`` (log scale)."""
+    if not op_us or op_us <= 0:
+        return _DEFAULT_WIDTH
+    torch.set_num_threads(threads)
+    best, best_gap = _DEFAULT_WIDTH, float("inf")
+    for width in _WIDTHS:
+        us = _matmul_us(width)
+        gap = abs(math.log(max(us, 1e-3) / op_us))
+        if gap < best_gap:
+            best, best_gap = width, gap
+        if us > op_us:
+            break
+    return best
+
+
+def _matmul_us(width: int) -> float:
+    """One probe matmul's time, the best of two after a warm-up."""
+    a, w = torch.ones(64, width), torch.ones(width, width)
+    torch.mm(a, w)
+    best = float("inf")
+    for _ in range(2):
+        t = time.perf_counter()
+        torch.mm(a, w)
+        best = min(best, time.perf_counter() - t)
+    return best * 1e6
+
+
+def _best(threads: int, width: int = _DEFAULT_WIDTH) -> float:
     torch.set_num_threads(threads)
     for _ in range(2):  # the first runs after a change of thread count pay for the pool's resize
-        _workload()
+        _workload(width)
     best = float("inf")
     for _ in range(_PROBE_REPEATS):
         t = time.perf_counter()
-        _workload()
+        _workload(width)
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def oversubscription_slowdown(demand: ThreadDemand) -> float | None:
+def oversubscription_slowdown(demand: ThreadDemand, op_us: float | None = None) -> float | None:
     """How many times slower the probe workload runs at ``demand.intra_op`` threads than at
     ``demand.fitting_threads`` (``None`` when they are equal): the best of a few rounds of each.
-    Restores the thread count; a fraction of a second, run once at
+    ``op_us``: the run's typical op duration (:func:`typical_op_us`), which sizes the probe's ops
+    (unknown: 512-wide matmuls). Restores the thread count; a fraction of a second, run once at
     the end of an oversubscribed run."""
     fit = demand.fitting_threads
     if fit >= demand.intra_op:
@@ -117,11 +166,12 @@ def oversubscription_slowdown(demand: ThreadDemand) -> float | None:
     slow = fast = float("inf")
     deadline = time.perf_counter() + _PROBE_BUDGET_S
     try:
+        width = _width(op_us, fit)
         # rounds of both counts until the budget is spent, the best of each: on a shared machine a
         # round of the fitting count can lose its cores to other processes for a while
         for i in range(_PROBE_MAX_ROUNDS):
-            fast = min(fast, _best(fit))
-            slow = min(slow, _best(demand.intra_op))
+            fast = min(fast, _best(fit, width))
+            slow = min(slow, _best(demand.intra_op, width))
             if i + 1 >= _PROBE_ROUNDS and time.perf_counter() > deadline:
                 break
     finally:
