@@ -65,6 +65,18 @@ def test_casts_fire_from_their_threshold_and_predict_the_step_without_them(share
     assert "train.py:12 (step)" in f.advice[0]
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true", "bf16-true"])
+def test_casts_advise_the_weights_dtype_only_under_autocast(precision: str) -> None:
+    """Under autocast the weights are cast every step; without it the copies are the loop's own casts
+    or layout copies, and "keep the weights in the compute dtype" would send the user the wrong way."""
+    p = _profile(op_class_us=(("matmul", 4000.0), ("casts", 3000.0)))
+    f = rule_casts(RunStats(step_time_s=0.01, profile=p, precision=precision))
+    assert f is not None
+    text = " ".join(f.advice)
+    assert ("compute dtype" in text) == precision.endswith("-mixed")
+    assert ("Layout copies" in text) != precision.endswith("-mixed")
+
+
 def test_host_sync_fires_on_a_gpu_timeline_only() -> None:
     gpu = _profile(
         op_timeline="device",

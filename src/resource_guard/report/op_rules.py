@@ -93,11 +93,21 @@ def rule_casts(s: RunStats) -> Finding | None:
     predicted, faster = _faster(_step_s(s), share)
     sites = _sites(p.cast_sites)
     advice = [
-        "Keep the weights in the compute dtype (bf16-true / model.to(torch.bfloat16) with an fp32 "
-        "master copy in the optimizer) instead of casting them in every step under autocast.",
         "Move casts and copies out of the loop: convert inputs once in the Dataset or collate_fn, "
         "create tensors in the dtype and on the device they are used (torch.zeros(..., dtype=, device=)).",
     ]
+    if s.precision is not None and s.precision.endswith("-mixed"):  # autocast casts the weights each step
+        advice.insert(
+            0,
+            "Keep the weights in the compute dtype (bf16-true / model.to(torch.bfloat16) with an fp32 "
+            "master copy in the optimizer) instead of casting them in every step under autocast.",
+        )
+    else:  # no autocast: the copies are the loop's own casts, or layout copies (.contiguous(), .clone())
+        advice.append(
+            "Layout copies (.contiguous() after permute/transpose, .clone(), .reshape() of a non-contiguous "
+            "tensor) count here too: keep tensors in the layout the next op reads, or fuse the step "
+            "(torch.compile) so the copies disappear."
+        )
     if sites:
         advice.insert(0, "Where the copies are made: " + "; ".join(sites[:3]) + ".")
     evidence = {
