@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import signal
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +38,14 @@ from resource_guard.devices import cpu as cpu_module
 from resource_guard.devices import cpu_summary, play_cpu
 
 pytest_plugins = ("pytester",)  # tests/testing/ runs pytest in temporary projects
+
+# torch.compile's on-disk kernel cache (TorchInductor: /tmp/torchinductor_<user>) is shared by every
+# process of the user; two xdist workers compiling the same kernel at once loaded a half-written library
+# ("ImportError: ... .so: file too short"). Each worker gets its own cache (subprocesses inherit it).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _worker = os.environ["PYTEST_XDIST_WORKER"]
+    _cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{_worker}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _cache)
 
 settings.register_profile("no-clock", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("no-clock")

@@ -68,7 +68,10 @@ def rows_error(batch: Any, who: str) -> ConfigurationError:
     """
     rows = _rows_by_leaf(batch)
     if not rows:
-        return ConfigurationError(f"`{who}`: the batch has no tensor with a dimension to cut along.")
+        return ConfigurationError(
+            f"`{who}`: the batch has no tensor with a leading dimension to cut along (a 0-d tensor or "
+            "no tensor at all); give a batch whose tensors share dim 0 (the rows)."
+        )
     sizes = [n for _, n in rows]
     common = max(set(sizes), key=sizes.count)
     odd = [(path, n) for path, n in rows if n != common]
