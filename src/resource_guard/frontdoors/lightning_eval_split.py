@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.seed import isolate_rng
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.frontdoors.lightning_internals import (
@@ -51,7 +51,7 @@ from resource_guard.frontdoors.lightning_internals import (
     predict_outputs,
     restart_eval_iterator,
 )
-from resource_guard.frontdoors.lightning_rebatch import _remade
+from resource_guard.frontdoors.lightning_rebatch import PiecesOf, _remade
 from resource_guard.step.batching import even_bounds, split_batch
 from resource_guard.step.training import batch_size_of
 
@@ -74,7 +74,7 @@ def _pieces(rows: int, micro: int) -> list[tuple[int, int]]:
     return even_bounds(rows, max(1, math.ceil(rows / micro)))
 
 
-class EvalSplitSampler(Sampler[list[int]]):
+class EvalSplitSampler(PiecesOf):
     """Each index list of ``batch_sampler`` as consecutive, near-equal pieces of at most
     ``micro_batch_size``; ``counts`` gets the number of pieces of each batch, in order."""
 
@@ -85,16 +85,6 @@ class EvalSplitSampler(Sampler[list[int]]):
             )
         self.batch_sampler, self.micro_batch_size = batch_sampler, micro_batch_size
         self.counts: list[int] = []
-
-    @property
-    def sampler(self) -> Any:
-        return getattr(self.batch_sampler, "sampler", None)
-
-    def set_epoch(self, epoch: int) -> None:
-        for target in (self.batch_sampler, self.sampler):
-            set_epoch = getattr(target, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
         for indices in self.batch_sampler:

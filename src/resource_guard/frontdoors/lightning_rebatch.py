@@ -60,10 +60,35 @@ class Split(Protocol):
     def accumulation_steps(self) -> int: ...
 
 
-__all__ = ["LossWeights", "ReBatched", "ReBatchedLoader", "SplitBatchSampler", "parts_for", "rebatch"]
+__all__ = [
+    "LossWeights",
+    "PiecesOf",
+    "ReBatched",
+    "ReBatchedLoader",
+    "SplitBatchSampler",
+    "parts_for",
+    "rebatch",
+]
 
 
-class SplitBatchSampler(Sampler[list[int]]):
+class PiecesOf(Sampler[list[int]]):
+    """A batch sampler that yields pieces of another's index lists: the inner sampler's ``sampler``
+    stays reachable (Lightning's shuffle detection) and ``set_epoch`` reaches both."""
+
+    batch_sampler: Iterable[Sequence[int]]
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.batch_sampler, "sampler", None)
+
+    def set_epoch(self, epoch: int) -> None:
+        for target in (self.batch_sampler, self.sampler):
+            set_epoch = getattr(target, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+
+
+class SplitBatchSampler(PiecesOf):
     """Each index list of ``batch_sampler`` as ``parts`` consecutive, near-equal pieces.
 
     Args:
@@ -77,16 +102,6 @@ class SplitBatchSampler(Sampler[list[int]]):
             raise ConfigurationError(f"`SplitBatchSampler(parts={parts!r})` must be an int >= 1.")
         self.batch_sampler, self.parts = batch_sampler, parts
         self.pieces: deque[float] = deque()  # the loss weight of each piece yielded, in order
-
-    @property
-    def sampler(self) -> Any:
-        return getattr(self.batch_sampler, "sampler", None)
-
-    def set_epoch(self, epoch: int) -> None:
-        for target in (self.batch_sampler, self.sampler):
-            set_epoch = getattr(target, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
         for indices in self.batch_sampler:
