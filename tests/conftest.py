@@ -22,9 +22,11 @@ check): on a busy machine they fail a test for the machine's load, not for the c
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
@@ -39,13 +41,22 @@ from resource_guard.devices import cpu_summary, play_cpu
 
 pytest_plugins = ("pytester",)  # tests/testing/ runs pytest in temporary projects
 
-# torch.compile's on-disk kernel cache (TorchInductor: /tmp/torchinductor_<user>) is shared by every
-# process of the user; two xdist workers compiling the same kernel at once loaded a half-written library
-# ("ImportError: ... .so: file too short"). Each worker gets its own cache (subprocesses inherit it).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    _worker = os.environ["PYTEST_XDIST_WORKER"]
-    _cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{_worker}")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _cache)
+# torch.compile's on-disk kernel cache (TorchInductor: /tmp/torchinductor_<user>) outlives the process and
+# is shared by every process of the user. A library whose compile was cut short (a killed run, a timed-out
+# test) stays there truncated, and a later run with the same kernel loads it: "ImportError: ... .so: file
+# too short" (CI, a serial run after earlier ones on the machine); two xdist workers compiling the same
+# kernel at once did the same. Each pytest process (controller or worker) compiles into a fresh cache of its
+# own, removed at exit; subprocesses it starts inherit it (xdist workers, which inherit the controller's,
+# make their own). A cache the user names is kept.
+_OWN_CACHE = "RESOURCE_GUARD_TESTS_INDUCTOR_CACHE"
+if (
+    "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    or os.environ.get(_OWN_CACHE) == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+):
+    _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    _cache = tempfile.mkdtemp(prefix=f"torchinductor_{os.getuid()}_{_worker}_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[_OWN_CACHE] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 settings.register_profile("no-clock", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("no-clock")
