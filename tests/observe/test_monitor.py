@@ -224,6 +224,67 @@ def test_a_fast_loader_is_healthy_with_a_fake_clock(monkeypatch: pytest.MonkeyPa
     assert report is not None and report.verdict == "healthy" and report.finding("input-bound") is None
 
 
+def test_steps_the_profiler_traces_are_left_out_of_step_time_and_phases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Recording shapes and stacks slows every op; a traced step must not inflate the run's mean step
+    time, throughput or phases (issue 29: a 24-step run's optimizer phase was half profiler overhead)."""
+    clock = FakeClock()
+    monkeypatch.setattr(monitor, "_clock", clock)
+    window = ProfileWindow(skip_first=3, wait=1, warmup=1, active=2, with_stack=False)
+    mon = RunMonitor(None, log_every_n_steps=4, profile=window, summary=False, interval_s=0.01,
+                     phase_timing=True)  # fmt: skip
+    mon.start()
+    assert mon.phases is not None
+    for i in range(12):
+        traced = 4 <= i < 7  # the schedule's warm-up and active steps (0-based)
+        mon.phases.switch("data_wait")
+        clock.now += 0.01
+        mon.batch_ready(torch.zeros(8, 4))
+        mon.phases.switch("optimizer")
+        clock.now += 1.0 if traced else 0.05  # the profiler's overhead, on the op-heavy phase
+        mon.phases.switch("other")
+        mon.step_end()
+    report = mon.close()
+    assert report is not None
+    s = report.stats
+    assert s.steps == 12  # every step ran; 3 are not measured
+    assert s.step_time_s == pytest.approx(0.06)
+    assert s.samples_per_s == pytest.approx(8 / 0.06)
+    assert s.phases is not None and s.phases["optimizer"] == pytest.approx(0.05)
+    assert s.data_wait_s == pytest.approx(0.01)
+    assert s.duration_s == pytest.approx(12 * 0.01 + 9 * 0.05 + 3 * 1.0)
+    assert any("3 step(s) that the profiler traced" in n for n in s.notes)
+    assert s.profile is not None and s.profile.steps == 2  # the op breakdown still comes from them
+
+
+def test_a_window_at_the_first_steps_keeps_them_having_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(monitor, "_clock", clock)
+    window = ProfileWindow(skip_first=0, wait=0, warmup=1, active=1, with_stack=False)
+    mon = RunMonitor(None, log_every_n_steps=4, profile=window, summary=False, interval_s=0.01)
+    mon.start()
+    drive(mon, clock, 3, wait_s=0.0, compute_s=0.2)
+    report = mon.close()
+    assert report is not None and report.stats.steps == 3
+    assert report.stats.step_time_s == pytest.approx(0.2)
+    assert not any("profiler traced" in n for n in report.stats.notes)
+
+
+def test_step_timer_drops_a_held_step() -> None:
+    t = StepTimer(0.0)
+    t.batch_ready(1.0, samples=4)
+    t.step_end(2.0)
+    held = t.hold()
+    t.batch_ready(3.0, samples=4)
+    t.step_end(9.0)
+    assert t.drop_since(held, 9.0) == 7.0
+    t.batch_ready(9.5, samples=4)
+    t.step_end(10.0)
+    iv = t.take(10.0)
+    assert (iv.steps, iv.wall_s, iv.data_wait_s, iv.compute_s, iv.samples) == (2, 3.0, 1.5, 1.5, 8)
+
+
 # -- acceptance: real CPU training -----------------------------------------------------------------
 
 

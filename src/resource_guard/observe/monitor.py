@@ -205,6 +205,10 @@ class RunMonitor(MonitorOutputs):
         self._signature: Any = None
         self._nested: Any = None  # a batch without a flat signature, until its step ends
         self._step = 0
+        # steps the profiler traced, left out of the means (once a later-than-first untraced step was
+        # measured: a run whose window starts at its first steps keeps them, having nothing else)
+        self._traced: tuple[Any, Any] | None = None  # the figures held before a traced step
+        self._untraced = 0
         self._intervals: list[tuple[float, ...]] = []
         self._started = self._closed = self._broken = False
         self._notes: list[str] = []
@@ -335,6 +339,9 @@ class RunMonitor(MonitorOutputs):
             if phases is not None:
                 phases.charge(now)
             self._step += 1
+            traced, self._traced = self._traced, None
+            if traced is not None:  # the profiler traced this step: its time stays out of the means
+                self._drop_traced(traced, now, step=True)
             own_work = False  # the monitor's own time since ``now``: left out of the step's phases
             memory = self._memory
             # not while the profiler records: its event buffers grow host memory step by step
@@ -343,9 +350,10 @@ class RunMonitor(MonitorOutputs):
                 own_work = True
             self._nested = None
             if self._open_event is not None:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self._events.append((self._open_event, end))
+                if traced is None:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    self._events.append((self._open_event, end))
                 self._open_event = None
             if self._profiling():
                 self._guard("profiler", self._profiler.step, off="_profiler")  # type: ignore[union-attr]
@@ -360,8 +368,22 @@ class RunMonitor(MonitorOutputs):
                 timer.resume(now)  # profiling and logging are the monitor's time, not a data wait
                 if phases is not None:
                     phases.skip(now)
+            if self._profiling() and self._profiler.traces_next_step and self._untraced > 1:  # type: ignore[union-attr]
+                self._traced = (timer.hold(), None if phases is None else phases.hold())
+            elif traced is None:
+                self._untraced += 1
         except Exception as exc:
             self._break(exc)
+
+    def _drop_traced(self, held: tuple[Any, Any], now: float, *, step: bool) -> None:
+        """Leave the time since ``held`` (a step the profiler traced) out of the step time and phases:
+        recording shapes and stacks slows every op, most in op-heavy steps, so a traced step would
+        inflate the mean and the phases the ops run in (a for-loop optimizer's 360 small ops)."""
+        assert self._timer is not None  # internal invariant: held only after start()
+        self._traced_s += self._timer.drop_since(held[0], now)
+        if held[1] is not None and self.phases is not None:
+            self.phases.drop_since(held[1], now)
+        self._traced_steps += step
 
     def note(self, text: str) -> None:
         """Add a line to the report's notes (e.g. the evaluation step's pre-flight)."""
@@ -399,6 +421,14 @@ class RunMonitor(MonitorOutputs):
         if self._history:
             self._history = False
             self._guard("memory history", memory_history, "stop")
+        if self._traced is not None and self._timer is not None:  # ended inside a traced step
+            self._guard("step timing", self._drop_traced, self._traced, _clock(), step=False)
+            self._traced = None
+        if self._traced_steps:
+            self._notes.append(
+                f"{self._traced_steps} step(s) that the profiler traced are left out of the step time and "
+                "phases (recording slows every op); the op breakdown comes from them"
+            )
         if self._timer is not None and not self._broken and self._timer.steps:
             collective = exc is None or not _distributed()
             self._guard("interval logging", lambda: self._log_interval(_clock(), collective=collective))

@@ -74,6 +74,8 @@ class MonitorOutputs:
     _phase_sums: dict[str, float]
     _phase_steps: int
     _phase_first: tuple[dict[str, float], int] | None = None
+    _traced_steps: int = 0  # steps the profiler traced, left out of the intervals
+    _traced_s: float = 0.0
     optimizers: Any = ()  # set by a front door: its optimizers, described at close (optimizer-step)
     _history: bool
     _guard: Callable[..., Any]
@@ -194,6 +196,9 @@ class MonitorOutputs:
             memory_growth=self._memory_growth(),
             expandable_segments=expandable_segments() if self._cuda else None,
         )
+        if self._traced_steps:  # the run's steps and duration include the traced ones
+            duration = None if stats.duration_s is None else stats.duration_s + self._traced_s
+            stats = dataclasses.replace(stats, steps=stats.steps + self._traced_steps, duration_s=duration)
         stats = self._with_phases(stats)
         if self.optimizers:  # the front door's optimizers: which step implementation runs
             facts = self._guard(

@@ -217,6 +217,13 @@ class StepProfiler:
     def running(self) -> bool:
         return self._prof is not None
 
+    @property
+    def traces_next_step(self) -> bool:
+        """Whether the step after the last :meth:`step` runs traced (the schedule's warm-up or active
+        steps): slowed by the profiler's own work (``record_shapes``, ``with_stack``)."""
+        w = self.window
+        return self._prof is not None and w.skip_first + w.wait <= self._steps_seen < w.steps_needed
+
     def start(self) -> None:
         """Start the profiler (idempotent). Nothing is recorded before ``skip_first + wait`` steps."""
         if self._prof is not None or self._finished:

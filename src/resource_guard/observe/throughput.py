@@ -92,6 +92,21 @@ class StepTimer:
             self._begin += now - self._mark
             self._mark = now
 
+    def hold(self) -> tuple[float, ...]:
+        """The interval's figures as of the last event, for :meth:`drop_since`."""
+        return (self._wait, self._compute, self._steps, self._samples, self._tokens, self._mark)
+
+    def drop_since(self, held: tuple[float, ...], now: float) -> float:
+        """Leave everything since ``held`` (a :meth:`hold` of this interval) out of it: its time, steps,
+        samples and tokens (steps the profiler slowed). Returns the seconds left out."""
+        wait, compute, steps, samples, tokens, mark = held
+        self._wait, self._compute = wait, compute
+        self._steps, self._samples, self._tokens = int(steps), int(samples), int(tokens)
+        self._begin += now - mark
+        self._mark = now
+        self._in_step = False
+        return now - mark
+
     def take(self, now: float) -> Interval:
         """The interval since the previous ``take`` (or the start); starts the next one at ``now``."""
         interval = Interval(
