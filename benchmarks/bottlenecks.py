@@ -251,7 +251,9 @@ def run_lightning(loop: Loop, steps: int, tmp: Path) -> Any:
 
     loader = DataLoader(Samples(steps * BATCH, loop.slow_sample_s), batch_size=BATCH, num_workers=0)
     val = DataLoader(Samples(loop.eval_batches * BATCH), batch_size=BATCH)
-    rg = ResourceGuard(log_dir=tmp / "guard")
+    # fp32 at both doors on any CPU: precision="auto" is bf16-mixed on a CPU with native bf16, whose
+    # autocast casts would be a cause of their own in every loop (the casts case injects its own)
+    rg = ResourceGuard(log_dir=tmp / "guard", precision="32-true")
     callbacks: list[Any] = [rg]
     if loop.save_every:
         callbacks.append(ModelCheckpoint(dirpath=tmp / "ckpt", every_n_train_steps=loop.save_every))

@@ -24,7 +24,9 @@ def _run(mon: RunMonitor, step: object, n: int = 6) -> None:
 def test_oversubscribed_threads_are_measured_at_close_and_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(threads, "_best", lambda n, w=0: 0.001 if n <= 2 else 0.003)  # a machine's answer
+    monkeypatch.setattr(
+        threads, "_best", lambda n, w=0, k=0: 0.001 if n <= 2 else 0.003
+    )  # a machine's answer
     monkeypatch.setattr("resource_guard.observe.monitor.available_cores", lambda: 2)
     before = torch.get_num_threads()
     torch.set_num_threads(8)
@@ -52,7 +54,7 @@ def test_a_loop_that_raises_the_thread_count_after_start_is_seen_at_close(
 ) -> None:
     """The zoo's threads case and real scripts: torch.set_num_threads(16) inside the loop, after the
     monitor read the demand (1 thread) at start."""
-    monkeypatch.setattr(threads, "_best", lambda n, w=0: 0.001 if n <= 2 else 0.002)
+    monkeypatch.setattr(threads, "_best", lambda n, w=0, k=0: 0.001 if n <= 2 else 0.002)
     monkeypatch.setattr("resource_guard.observe.monitor.available_cores", lambda: 2)
     before = torch.get_num_threads()
     torch.set_num_threads(1)

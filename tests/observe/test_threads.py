@@ -4,6 +4,7 @@ measures an oversubscription's cost (and restores the thread count)."""
 from __future__ import annotations
 
 import doctest
+import time
 
 import pytest
 import torch
@@ -36,7 +37,9 @@ def test_the_probe_compares_the_run_s_count_with_the_fitting_one_and_restores_it
 ) -> None:
     seen: list[int] = []
 
-    def best(n: int, width: int = 0) -> float:  # the workload's time at n threads, as 2 free cores give it
+    def best(
+        n: int, width: int = 0, loops: int = 0
+    ) -> float:  # the workload's time at n threads, as 2 free cores give it
         seen.append(n)
         torch.set_num_threads(n)
         return {2: 0.001, 16: 0.004}[n]
@@ -69,7 +72,7 @@ def test_the_typical_op_is_weighted_by_time() -> None:
 
 def test_the_probe_s_ops_last_about_as_long_as_the_run_s(monkeypatch: pytest.MonkeyPatch) -> None:
     widths: list[int] = []
-    monkeypatch.setattr(threads, "_best", lambda n, w: widths.append(w) or (0.001 if n <= 2 else 0.002))
+    monkeypatch.setattr(threads, "_best", lambda n, w, k=0: widths.append(w) or (0.001 if n <= 2 else 0.002))
     monkeypatch.setattr(threads, "_matmul_us", lambda w: w / 10.0)  # 12.8 us at 128 wide ... 204.8 at 2048
     before = torch.get_num_threads()
     demand = thread_demand(intra_op=16, processes=1, workers=0, cores=2)
@@ -85,3 +88,34 @@ def test_the_probe_s_ops_last_about_as_long_as_the_run_s(monkeypatch: pytest.Mon
     oversubscription_slowdown(demand)  # unknown: the default
     assert set(widths) == {threads._DEFAULT_WIDTH}
     assert torch.get_num_threads() == before
+
+
+def test_the_probe_runs_python_between_its_ops_in_the_step_s_proportion(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step that is 80% ops has a quarter of an op's time in Python after each op: the probe does the
+    same, so that its slowdown is the step's (spinning OpenMP threads slow the Python between ops too)."""
+    calls: list[tuple[int, int, int]] = []
+
+    def best(n: int, width: int = 0, loops: int = 0) -> float:
+        calls.append((n, width, loops))
+        return 0.004  # four ops of 1 ms: 1000 us per op
+
+    monkeypatch.setattr(threads, "_best", best)
+    monkeypatch.setattr(threads, "_host_loops", lambda us: round(us))  # one loop per microsecond
+    demand = thread_demand(intra_op=16, processes=1, workers=0, cores=2)
+    oversubscription_slowdown(demand, ops_share=0.8)
+    timed = [c for c in calls if c[2]]
+    assert timed and {c[2] for c in timed} == {250} and {c[0] for c in timed} == {2, 16}
+    calls.clear()
+    oversubscription_slowdown(demand)  # no profiled step: ops alone
+    assert {c[2] for c in calls} == {0}
+
+
+def test_the_host_work_is_calibrated_on_this_thread() -> None:
+    loops = threads._host_loops(2000.0)
+    start = time.perf_counter()
+    threads._host_work(loops)
+    took_us = (time.perf_counter() - start) * 1e6
+    assert loops > 0 and threads._host_loops(0.0) == 0
+    assert 200.0 < took_us < 20000.0  # about 2 ms, within a loaded machine's noise

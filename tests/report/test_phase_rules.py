@@ -83,6 +83,16 @@ def test_optimizer_step_needs_a_for_loop_over_many_tensors() -> None:
     f = rule_optimizer_step(RunStats(**{**s.__dict__, "optimizers": (facts,)}))
     assert f is not None and f.id == "optimizer-step" and "foreach=True" in f.advice[0]
     assert f.predicted_step_s == pytest.approx(STEP - 0.03 * (1 - FOREACH_TIME_FRACTION))
+    assert f.evidence["foreach_time_fraction_source"] == "assumed"
+    # measured at the end of the run: the prediction and the stated cost (first "share" key) follow it
+    g = rule_optimizer_step(RunStats(**{**s.__dict__, "optimizers": (dict(facts, foreach_fraction=0.7),)}))
+    assert g is not None and g.predicted_step_s == pytest.approx(STEP - 0.03 * 0.3)
+    first_share = next(k for k in g.evidence if k.endswith("share"))
+    assert first_share == "for_loop_share" and g.evidence[first_share] == pytest.approx(
+        0.03 * 0.3 / STEP, abs=1e-4
+    )
+    assert g.evidence["optimizer_share"] == pytest.approx(0.03 / STEP, abs=1e-4)
+    assert g.evidence["foreach_time_fraction_source"] == "measured"
 
 
 def test_a_small_gain_is_info_not_a_warning_and_the_run_stays_healthy() -> None:

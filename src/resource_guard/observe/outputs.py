@@ -22,7 +22,7 @@ import psutil
 import torch
 
 from resource_guard.observe.oom import SNAPSHOT_FILE, OomEvent, memory_history, write_oom
-from resource_guard.observe.optimizer_facts import describe_optimizer
+from resource_guard.observe.optimizer_facts import describe_optimizer, foreach_time_fraction
 from resource_guard.observe.phases import PhaseClock, phase_means
 from resource_guard.observe.sampler import peak_rss_bytes, reset_peak_rss
 from resource_guard.observe.stats import METRIC_KEYS, interval_row, job_row, run_stats, tensorboard_scalars
@@ -201,17 +201,30 @@ class MonitorOutputs:
             stats = dataclasses.replace(stats, steps=stats.steps + self._traced_steps, duration_s=duration)
         stats = self._with_phases(stats)
         if self.optimizers:  # the front door's optimizers: which step implementation runs
-            facts = self._guard(
-                "optimizer facts", lambda: tuple(describe_optimizer(o) for o in self.optimizers)
-            )
+            facts = self._guard("optimizer facts", self._optimizer_facts, stats)
             stats = dataclasses.replace(stats, optimizers=facts or ())
-        profile_ops = stats.profile.top_ops if stats.profile is not None else ()
-        threads = self._guard("thread figures", lambda: self._thread_figures(profile_ops))
+        threads = self._guard("thread figures", self._thread_figures, stats.profile)
         compiled = self._guard("compile figures", self._compile_figures)
         stats = dataclasses.replace(stats, threads=threads, compile=compiled)
         if self.shape_stats is None:  # the front doors' shape guard, when on
             return stats
         return dataclasses.replace(stats, shapes=self._guard("shape stats", self.shape_stats))
+
+    def _optimizer_facts(self, stats: RunStats) -> tuple[dict[str, Any], ...]:
+        """Each optimizer's step implementation; for a for-loop over many tensors in a run whose
+        optimizer phase is worth a finding, what the for-each path would take instead (measured now,
+        a fraction of a second)."""
+        from resource_guard.report.phase_rules import FOR_LOOP_MIN_TENSORS, OPTIMIZER_STEP_SHARE
+
+        phase, step = (stats.phases or {}).get("optimizer", 0.0), stats.step_time_s
+        worth = step is not None and step > 0 and phase / step >= OPTIMIZER_STEP_SHARE
+        out = []
+        for optimizer in self.optimizers:
+            facts = describe_optimizer(optimizer)
+            if worth and facts["for_loop"] and facts["tensors"] >= FOR_LOOP_MIN_TENSORS:
+                facts["foreach_fraction"] = foreach_time_fraction(optimizer)
+            out.append(facts)
+        return tuple(out)
 
     def _with_phases(self, stats: RunStats) -> RunStats:
         """``stats`` with the step split by phase; the data wait is then the loader's own ``__next__``."""
@@ -227,11 +240,12 @@ class MonitorOutputs:
         share = means["data_wait"] / step if step else None
         return dataclasses.replace(stats, phases=means, data_wait_s=means["data_wait"], data_wait_share=share)
 
-    def _thread_figures(self, top_ops: Any = ()) -> dict[str, Any] | None:
+    def _thread_figures(self, profile: ProfileSummary | None = None) -> dict[str, Any] | None:
         """The thread demand read at start, with the intra-op count read again now (a loop may set it
         after the monitor started: the larger of the two is what the loop ran at); when it exceeds the
-        cores, the slowdown it costs, measured now on ops sized like the run's (a fraction of a second,
-        only then)."""
+        cores, the slowdown it costs, measured now on ops sized like the run's, with Python between
+        them in the step's proportion (``ops_share``: the profiled step's op time over its wall time)
+        (a fraction of a second, only then)."""
         from resource_guard.observe.threads import oversubscription_slowdown, typical_op_us
 
         demand = self._threads
@@ -241,8 +255,19 @@ class MonitorOutputs:
         if now > demand.intra_op:
             demand = dataclasses.replace(demand, intra_op=now)
         out: dict[str, Any] = demand.to_dict()
-        op_us = typical_op_us(top_ops)
-        out["slowdown"] = oversubscription_slowdown(demand, op_us) if demand.oversubscribed else None
+        top_ops = profile.top_ops if profile is not None else ()
+        ops_share = None
+        if (
+            profile is not None
+            and profile.op_timeline == "host"
+            and profile.step_wall_us
+            and profile.op_class_us
+        ):
+            ops_share = min(1.0, sum(us for _, us in profile.op_class_us) / profile.step_wall_us)
+        out["ops_share"] = ops_share
+        out["slowdown"] = None
+        if demand.oversubscribed:
+            out["slowdown"] = oversubscription_slowdown(demand, typical_op_us(top_ops), ops_share)
         return out
 
     def _compile_figures(self) -> dict[str, Any] | None:

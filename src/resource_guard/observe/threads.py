@@ -106,11 +106,33 @@ def typical_op_us(top_ops: Sequence[tuple[str, int, float]]) -> float | None:
     return sum(us * us / calls for calls, us in rows) / total if total > 0 else None
 
 
-def _workload(width: int) -> None:
+def _workload(width: int, host_loops: int = 0) -> None:
+    """Four matmuls with their elementwise ops, each followed by ``host_loops`` iterations of Python
+    (the run's own host work between ops: the loop, hooks, the optimizer's Python)."""
     a = torch.full((64, width), 1e-2)
     w = torch.full((width, width), 1e-3)
     for _ in range(4):
         a = torch.mm(a, w).mul_(0.5).add_(1e-2)
+        _host_work(host_loops)
+
+
+def _host_work(loops: int) -> int:
+    total = 0
+    for i in range(loops):
+        total += i & 7
+    return total
+
+
+def _host_loops(host_us: float) -> int:
+    """Iterations of :func:`_host_work` that take about ``host_us`` on this thread (best of three)."""
+    if host_us <= 0:
+        return 0
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        _host_work(1000)
+        best = min(best, time.perf_counter() - t)
+    return max(0, round(host_us / (best * 1e6) * 1000))
 
 
 def _width(op_us: float | None, threads: int) -> int:
@@ -141,24 +163,29 @@ def _matmul_us(width: int) -> float:
     return best * 1e6
 
 
-def _best(threads: int, width: int = _DEFAULT_WIDTH) -> float:
+def _best(threads: int, width: int = _DEFAULT_WIDTH, host_loops: int = 0) -> float:
     torch.set_num_threads(threads)
     for _ in range(2):  # the first runs after a change of thread count pay for the pool's resize
-        _workload(width)
+        _workload(width, host_loops)
     best = float("inf")
     for _ in range(_PROBE_REPEATS):
         t = time.perf_counter()
-        _workload(width)
+        _workload(width, host_loops)
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def oversubscription_slowdown(demand: ThreadDemand, op_us: float | None = None) -> float | None:
+def oversubscription_slowdown(
+    demand: ThreadDemand, op_us: float | None = None, ops_share: float | None = None
+) -> float | None:
     """How many times slower the probe workload runs at ``demand.intra_op`` threads than at
     ``demand.fitting_threads`` (``None`` when they are equal): the best of a few rounds of each.
     ``op_us``: the run's typical op duration (:func:`typical_op_us`), which sizes the probe's ops
-    (unknown: 512-wide matmuls). Restores the thread count; a fraction of a second, run once at
-    the end of an oversubscribed run."""
+    (unknown: 512-wide matmuls). ``ops_share``: the share of the run's step in ops; the probe then
+    runs Python between its ops in the same proportion, so that the slowdown is the step's (the idle
+    OpenMP threads spin after each parallel region and take the cores from the Python that follows:
+    a Lightning step, with more Python between ops, is slowed about as much as its ops). Restores the
+    thread count; a fraction of a second, run once at the end of an oversubscribed run."""
     fit = demand.fitting_threads
     if fit >= demand.intra_op:
         return None
@@ -167,11 +194,15 @@ def oversubscription_slowdown(demand: ThreadDemand, op_us: float | None = None) 
     deadline = time.perf_counter() + _PROBE_BUDGET_S
     try:
         width = _width(op_us, fit)
+        loops = 0
+        if ops_share is not None and 0.0 < ops_share < 1.0:
+            op_us = _best(fit, width) / 4 * 1e6  # one op of the workload (a matmul and two elementwise)
+            loops = _host_loops(op_us * (1.0 - ops_share) / ops_share)
         # rounds of both counts until the budget is spent, the best of each: on a shared machine a
         # round of the fitting count can lose its cores to other processes for a while
         for i in range(_PROBE_MAX_ROUNDS):
-            fast = min(fast, _best(fit, width))
-            slow = min(slow, _best(demand.intra_op, width))
+            fast = min(fast, _best(fit, width, loops))
+            slow = min(slow, _best(demand.intra_op, width, loops))
             if i + 1 >= _PROBE_ROUNDS and time.perf_counter() > deadline:
                 break
     finally:

@@ -159,11 +159,9 @@ def rule_threads(s: RunStats) -> Finding | None:
     slowdown = t.get("slowdown")
     share = None
     if slowdown and slowdown > 1.0:
-        p = s.profile
-        ops = None
-        if p is not None and p.step_wall_us and p.op_timeline == "host" and p.op_class_us:
-            ops = min(1.0, sum(us for _, us in p.op_class_us) / p.step_wall_us)
-        share = (1.0 if ops is None else ops) * (1.0 - 1.0 / slowdown)  # the ops' time, sped up
+        # the probe ran Python between its ops in the step's proportion (``ops_share``): its slowdown
+        # is the step's; a probe of ops alone (no profiled step) is what the step spends in ops
+        share = 1.0 - 1.0 / slowdown
     predicted, faster = _faster(_step_s(s), share or 0.0)
     advice = [
         f"Call torch.set_num_threads({fit}) (or set OMP_NUM_THREADS={fit}) in each training process: "

@@ -12,9 +12,11 @@ Thresholds (module constants, each with its reason):
   AdamW is a few percent of a step (pytorch #134191: 2.5% for-each vs 33% for-loop).
 - ``FOR_LOOP_MIN_TENSORS`` (32): below this many parameter tensors the for-loop's per-tensor launch
   overhead is small and the for-each path gains little.
-- ``FOREACH_TIME_FRACTION`` (0.4): what remains of a for-loop step under ``foreach=True`` for many small
-  tensors: 0.37-0.82 measured for AdamW over 360 tensors on the 2-core CI host (the smaller the tensors
-  the lower), ``benchmarks/bottlenecks.py`` checks the prediction.
+- ``FOREACH_TIME_FRACTION`` (0.4): what remains of a for-loop step under ``foreach=True`` when the run
+  did not measure it: the monitor measures it at the end of a run whose optimizer phase is worth a
+  finding (:func:`resource_guard.observe.optimizer_facts.foreach_time_fraction`: 0.37-0.82 for AdamW over
+  360 tensors on the 2-core CI host, the smaller the tensors the lower); ``benchmarks/bottlenecks.py``
+  checks the prediction.
 - ``HOST_SHARE`` / ``EVALUATION_SHARE`` / ``CHECKPOINT_SHARE`` / ``LOGGING_SHARE`` (10% each): the share
   of the step in the loop's own code between steps, in evaluation, in saving checkpoints, in logging
   from which the finding fires (below ``MIN_GAIN_SHARE`` the cheaper schedule gains too little).
@@ -119,6 +121,7 @@ def _finding(
     advice: Callable[[int, str], list[str]],
     removed_fraction: Callable[[int], float],
     extra: Mapping[str, Any] | None = None,
+    cause: str | None = None,
 ) -> Finding | None:
     measured = phase_share(s, phase)
     if measured is None or measured[1] < threshold:
@@ -126,10 +129,12 @@ def _finding(
     seconds, share = measured
     assert s.step_time_s is not None
     k = _every_k(share)
-    predicted = _predicted(s, seconds * removed_fraction(k))
+    removed = seconds * removed_fraction(k)
+    predicted = _predicted(s, removed)
     faster = faster_text(s.step_time_s, predicted)
     gain = 1.0 - predicted / s.step_time_s
-    evidence = {
+    evidence = {  # the first key ending in "share" is what the cause costs: the phase, or ``cause``'s part
+        **({f"{cause}_share": round(removed / s.step_time_s, 4)} if cause else {}),
         f"{phase}_share": round(share, 4),
         f"{phase}_s_per_step": seconds,
         "step_time_s": s.step_time_s,
@@ -140,7 +145,7 @@ def _finding(
     return Finding(
         finding_id,
         _severity(share, gain),
-        f"{title.format(share=share)}; {faster} without it",
+        f"{title.format(share=share, cause_share=removed / s.step_time_s)}; {faster} without it",
         evidence,
         tuple(advice(k, faster)),
         predicted,
@@ -155,6 +160,9 @@ def rule_optimizer_step(s: RunStats) -> Finding | None:
     first = slow[0]
     name, tensors = first.get("name", "the optimizer"), first.get("tensors")
     fused = bool(first.get("fused_available")) and s.device_kind == "cuda"
+    fraction = first.get("foreach_fraction")
+    measured = isinstance(fraction, float) and 0.0 < fraction < 1.0
+    remains = fraction if isinstance(fraction, float) and measured else FOREACH_TIME_FRACTION
 
     def advice(_k: int, faster: str) -> list[str]:
         setting = "fused=True" if fused else "foreach=True"
@@ -171,10 +179,19 @@ def rule_optimizer_step(s: RunStats) -> Finding | None:
         "optimizer-step",
         "optimizer",
         OPTIMIZER_STEP_SHARE,
-        f"Optimizer step: {{share:.0%}} of the step in {name}'s for-loop over {tensors} tensors",
+        f"Optimizer step: {name}'s for-loop over {tensors} tensors costs {{cause_share:.0%}} of the step "
+        f"(the optimizer step is {{share:.0%}} of it)",
         advice,
-        lambda _k: 1.0 - FOREACH_TIME_FRACTION,
-        {"optimizer": name, "tensors": tensors, "foreach": first.get("foreach"), "fused": first.get("fused")},
+        lambda _k: 1.0 - remains,
+        {
+            "optimizer": name,
+            "tensors": tensors,
+            "foreach": first.get("foreach"),
+            "fused": first.get("fused"),
+            "foreach_time_fraction": round(remains, 3),
+            "foreach_time_fraction_source": "measured" if measured else "assumed",
+        },
+        cause="for_loop",
     )
 
 
