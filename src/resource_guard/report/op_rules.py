@@ -5,7 +5,8 @@ ending in ``share``) and the step time predicted without its cause (``predicted_
 faster"). The thresholds, each with its reason:
 
 - casts: copies and dtype casts (``aten::copy_``, ``aten::to``, ``_to_copy``; on a GPU copy kernels
-  and device-to-device copies) >= ``CASTS_SHARE`` of the profiled step.
+  and device-to-device copies), their time in the profiled steps over the run's untraced step time,
+  >= ``CASTS_SHARE``.
 - host-sync: on a GPU timeline only, device idle time in the gaps opened by host-device syncs >=
   ``HOST_SYNC_SHARE``. On a CPU a ``.item()`` reads memory and waits for nothing: no finding.
 - threads: (intra-op threads + DataLoader workers) × processes above the cores, and a measured slowdown
@@ -87,7 +88,7 @@ def _sites(rows: Any) -> list[str]:
 def rule_casts(s: RunStats) -> Finding | None:
     """Copies and dtype casts take at least ``CASTS_SHARE`` of the profiled step."""
     p = s.profile
-    share = p.class_share("casts") if p is not None else None
+    share = p.class_share("casts", s.step_time_s) if p is not None else None
     if p is None or share is None or share < CASTS_SHARE:
         return None
     predicted, faster = _faster(_step_s(s), share)
