@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from resource_guard.observe.optimizer_facts import describe_optimizer, foreach_time_fraction
+from resource_guard.observe.optimizer_facts import describe_optimizer, foreach_probe
 
 
 def _params(n: int = 4) -> list[torch.nn.Parameter]:
@@ -28,14 +28,14 @@ def test_an_optimizer_without_a_foreach_path_is_not_called_slow() -> None:
     assert facts["for_loop"] is False and facts["name"] == "Plain"
 
 
-def test_the_foreach_fraction_is_measured_on_tensors_shaped_like_the_parameters() -> None:
+def test_the_foreach_gain_is_measured_on_tensors_shaped_like_the_parameters() -> None:
     """Many small tensors: the for-each path runs a few multi-tensor ops instead of ~10 per tensor, so
     it takes a fraction of the for-loop's time; the optimizer and its parameters are left alone."""
     params = [torch.nn.Parameter(torch.randn(16, 16)) for _ in range(200)]
     before = [p.detach().clone() for p in params]
     optimizer = torch.optim.AdamW(params, foreach=False)
-    fraction = foreach_time_fraction(optimizer)
-    assert fraction is not None and 0.0 < fraction < 1.0
+    probe = foreach_probe(optimizer)
+    assert probe is not None and 0.0 < probe["foreach_s"] < probe["for_loop_s"]
     assert all(torch.equal(p, b) for p, b in zip(params, before)) and not optimizer.state
 
 
@@ -44,6 +44,6 @@ def test_no_fraction_without_a_foreach_path_or_parameters() -> None:
         def __init__(self, params: list[torch.nn.Parameter]) -> None:
             super().__init__(params, {"lr": 0.1})
 
-    assert foreach_time_fraction(Plain(_params())) is None
+    assert foreach_probe(Plain(_params())) is None
     frozen = [torch.nn.Parameter(torch.zeros(3), requires_grad=False)]
-    assert foreach_time_fraction(torch.optim.AdamW(frozen, foreach=False)) is None
+    assert foreach_probe(torch.optim.AdamW(frozen, foreach=False)) is None

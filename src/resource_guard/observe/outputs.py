@@ -22,7 +22,7 @@ import psutil
 import torch
 
 from resource_guard.observe.oom import SNAPSHOT_FILE, OomEvent, memory_history, write_oom
-from resource_guard.observe.optimizer_facts import describe_optimizer, foreach_time_fraction
+from resource_guard.observe.optimizer_facts import describe_optimizer, foreach_probe
 from resource_guard.observe.phases import PhaseClock, phase_means
 from resource_guard.observe.sampler import peak_rss_bytes, reset_peak_rss
 from resource_guard.observe.stats import METRIC_KEYS, interval_row, job_row, run_stats, tensorboard_scalars
@@ -222,7 +222,7 @@ class MonitorOutputs:
         for optimizer in self.optimizers:
             facts = describe_optimizer(optimizer)
             if worth and facts["for_loop"] and facts["tensors"] >= FOR_LOOP_MIN_TENSORS:
-                facts["foreach_fraction"] = foreach_time_fraction(optimizer)
+                facts.update(foreach_probe(optimizer) or {})
             out.append(facts)
         return tuple(out)
 

@@ -13,10 +13,10 @@ Thresholds (module constants, each with its reason):
 - ``FOR_LOOP_MIN_TENSORS`` (32): below this many parameter tensors the for-loop's per-tensor launch
   overhead is small and the for-each path gains little.
 - ``FOREACH_TIME_FRACTION`` (0.4): what remains of a for-loop step under ``foreach=True`` when the run
-  did not measure it: the monitor measures it at the end of a run whose optimizer phase is worth a
-  finding (:func:`resource_guard.observe.optimizer_facts.foreach_time_fraction`: 0.37-0.82 for AdamW over
-  360 tensors on the 2-core CI host, the smaller the tensors the lower); ``benchmarks/bottlenecks.py``
-  checks the prediction.
+  did not measure it. The monitor measures both at the end of a run whose optimizer phase is worth a
+  finding (:func:`resource_guard.observe.optimizer_facts.foreach_probe`: for-each takes 0.37-0.82 of
+  the for-loop for AdamW over 360 tensors on the 2-core CI host, the smaller the tensors the lower),
+  and the finding predicts the difference it measured; ``benchmarks/bottlenecks.py`` checks it.
 - ``HOST_SHARE`` / ``EVALUATION_SHARE`` / ``CHECKPOINT_SHARE`` / ``LOGGING_SHARE`` (10% each): the share
   of the step in the loop's own code between steps, in evaluation, in saving checkpoints, in logging
   from which the finding fires (below ``MIN_GAIN_SHARE`` the cheaper schedule gains too little).
@@ -119,17 +119,24 @@ def _finding(
     threshold: float,
     title: str,
     advice: Callable[[int, str], list[str]],
-    removed_fraction: Callable[[int], float],
+    removed_fraction: Callable[[int], float] | None,
     extra: Mapping[str, Any] | None = None,
     cause: str | None = None,
+    removed_s: float | None = None,
 ) -> Finding | None:
+    """A finding on ``phase`` from ``threshold`` of the step on. The advice removes ``removed_s`` of it
+    (measured), else ``removed_fraction(k)`` of it (``k``: the cheaper schedule's interval)."""
     measured = phase_share(s, phase)
     if measured is None or measured[1] < threshold:
         return None
     seconds, share = measured
     assert s.step_time_s is not None
     k = _every_k(share)
-    removed = seconds * removed_fraction(k)
+    if removed_s is not None:
+        removed = min(seconds, removed_s)
+    else:
+        assert removed_fraction is not None  # a rule gives one or the other
+        removed = seconds * removed_fraction(k)
     predicted = _predicted(s, removed)
     faster = faster_text(s.step_time_s, predicted)
     gain = 1.0 - predicted / s.step_time_s
@@ -160,9 +167,11 @@ def rule_optimizer_step(s: RunStats) -> Finding | None:
     first = slow[0]
     name, tensors = first.get("name", "the optimizer"), first.get("tensors")
     fused = bool(first.get("fused_available")) and s.device_kind == "cuda"
-    fraction = first.get("foreach_fraction")
-    measured = isinstance(fraction, float) and 0.0 < fraction < 1.0
-    remains = fraction if isinstance(fraction, float) and measured else FOREACH_TIME_FRACTION
+    loop_s, each_s = first.get("for_loop_s"), first.get("foreach_s")
+    saved_s = None  # what foreach=True saves a step, as measured at the end of the run
+    if isinstance(loop_s, float) and isinstance(each_s, float) and 0.0 < each_s < loop_s:
+        saved_s = loop_s - each_s
+    measured = saved_s is not None
 
     def advice(_k: int, faster: str) -> list[str]:
         setting = "fused=True" if fused else "foreach=True"
@@ -182,16 +191,18 @@ def rule_optimizer_step(s: RunStats) -> Finding | None:
         f"Optimizer step: {name}'s for-loop over {tensors} tensors costs {{cause_share:.0%}} of the step "
         f"(the optimizer step is {{share:.0%}} of it)",
         advice,
-        lambda _k: 1.0 - remains,
+        (lambda _k: 1.0 - FOREACH_TIME_FRACTION) if saved_s is None else None,
         {
             "optimizer": name,
             "tensors": tensors,
             "foreach": first.get("foreach"),
             "fused": first.get("fused"),
-            "foreach_time_fraction": round(remains, 3),
-            "foreach_time_fraction_source": "measured" if measured else "assumed",
+            "for_loop_s": loop_s,
+            "foreach_s": each_s,
+            "foreach_gain_source": "measured" if measured else "assumed",
         },
         cause="for_loop",
+        removed_s=saved_s,
     )
 
 
