@@ -113,7 +113,10 @@ def _isolated_process_state(_played_cpu: None) -> Iterator[None]:
     before = _torch_state()
     played = list(cpu_module._played)
     environ = dict(os.environ)
-    loggers = {name: logging.getLogger(name) for name in ("", "resource_guard")}
+    # the root, ours, and Lightning's (a benchmark's main() run by a test quiets Lightning's to ERROR;
+    # left so, a later test in the worker that reads Lightning's INFO lines saw none)
+    names = ("", "resource_guard", "lightning", "lightning.pytorch", "pytorch_lightning")
+    loggers = {name: logging.getLogger(name) for name in names}
     levels = {name: logger.level for name, logger in loggers.items()}
     root_handlers = list(logging.getLogger().handlers)
     sigint = signal.getsignal(signal.SIGINT)
