@@ -205,10 +205,7 @@ class RunMonitor(MonitorOutputs):
         self._signature: Any = None
         self._nested: Any = None  # a batch without a flat signature, until its step ends
         self._step = 0
-        # steps the profiler traced, left out of the means (once a later-than-first untraced step was
-        # measured: a run whose window starts at its first steps keeps them, having nothing else)
-        self._traced: tuple[Any, Any] | None = None  # the figures held before a traced step
-        self._untraced = 0
+        self._traced: tuple[Any, Any] | None = None  # the figures held before a step the profiler traces
         self._intervals: list[tuple[float, ...]] = []
         self._started = self._closed = self._broken = False
         self._notes: list[str] = []
@@ -368,10 +365,11 @@ class RunMonitor(MonitorOutputs):
                 timer.resume(now)  # profiling and logging are the monitor's time, not a data wait
                 if phases is not None:
                     phases.skip(now)
-            if self._profiling() and self._profiler.traces_next_step and self._untraced > 1:  # type: ignore[union-attr]
+            # a traced step is left out of the means once the run measured one besides the start-up
+            # step and this one (a window at the run's first steps keeps them, having nothing else)
+            measured = self._step - self._traced_steps
+            if measured > 2 and self._profiling() and self._profiler.traces_next_step:  # type: ignore[union-attr]
                 self._traced = (timer.hold(), None if phases is None else phases.hold())
-            elif traced is None:
-                self._untraced += 1
         except Exception as exc:
             self._break(exc)
 

@@ -75,15 +75,14 @@ class PhaseClock:
         """Leave the time since the last switch out (the monitor's own work at a log boundary)."""
         self._mark = now
 
-    def hold(self) -> tuple[dict[str, float], float]:
+    def hold(self) -> dict[str, float]:
         """The totals as of the last switch or charge, for :meth:`drop_since`."""
-        return dict(self._totals), self._mark
+        return dict(self._totals)
 
-    def drop_since(self, held: tuple[dict[str, float], float], now: float) -> None:
+    def drop_since(self, held: dict[str, float], now: float) -> None:
         """Leave the time since ``held`` (a :meth:`hold` since the last ``take``) out of every phase; the
         running phase keeps running."""
-        totals, _mark = held
-        self._totals = dict(totals)
+        self._totals = dict(held)
         self._mark = now
 
     def take(self, now: float) -> dict[str, float]:

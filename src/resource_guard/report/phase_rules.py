@@ -119,29 +119,24 @@ def _finding(
     threshold: float,
     title: str,
     advice: Callable[[int, str], list[str]],
-    removed_fraction: Callable[[int], float] | None,
+    removed: Callable[[int, float], float],
     extra: Mapping[str, Any] | None = None,
     cause: str | None = None,
-    removed_s: float | None = None,
 ) -> Finding | None:
-    """A finding on ``phase`` from ``threshold`` of the step on. The advice removes ``removed_s`` of it
-    (measured), else ``removed_fraction(k)`` of it (``k``: the cheaper schedule's interval)."""
+    """A finding on ``phase`` from ``threshold`` of the step on; the advice removes
+    ``removed(k, seconds)`` of the phase's ``seconds`` per step (``k``: the cheaper schedule's interval)."""
     measured = phase_share(s, phase)
     if measured is None or measured[1] < threshold:
         return None
     seconds, share = measured
     assert s.step_time_s is not None
     k = _every_k(share)
-    if removed_s is not None:
-        removed = min(seconds, removed_s)
-    else:
-        assert removed_fraction is not None  # a rule gives one or the other
-        removed = seconds * removed_fraction(k)
-    predicted = _predicted(s, removed)
+    removed_s = removed(k, seconds)
+    predicted = _predicted(s, removed_s)
     faster = faster_text(s.step_time_s, predicted)
     gain = 1.0 - predicted / s.step_time_s
     evidence = {  # the first key ending in "share" is what the cause costs: the phase, or ``cause``'s part
-        **({f"{cause}_share": round(removed / s.step_time_s, 4)} if cause else {}),
+        **({f"{cause}_share": round(removed_s / s.step_time_s, 4)} if cause else {}),
         f"{phase}_share": round(share, 4),
         f"{phase}_s_per_step": seconds,
         "step_time_s": s.step_time_s,
@@ -152,7 +147,7 @@ def _finding(
     return Finding(
         finding_id,
         _severity(share, gain),
-        f"{title.format(share=share, cause_share=removed / s.step_time_s)}; {faster} without it",
+        f"{title.format(share=share, cause_share=removed_s / s.step_time_s)}; {faster} without it",
         evidence,
         tuple(advice(k, faster)),
         predicted,
@@ -191,7 +186,10 @@ def rule_optimizer_step(s: RunStats) -> Finding | None:
         f"Optimizer step: {name}'s for-loop over {tensors} tensors costs {{cause_share:.0%}} of the step "
         f"(the optimizer step is {{share:.0%}} of it)",
         advice,
-        (lambda _k: 1.0 - FOREACH_TIME_FRACTION) if saved_s is None else None,
+        # what the probe measured, bounded by the phase; unmeasured, the assumed fraction of it
+        lambda _k, phase_s: (
+            phase_s * (1.0 - FOREACH_TIME_FRACTION) if saved_s is None else min(phase_s, saved_s)
+        ),
         {
             "optimizer": name,
             "tensors": tensors,
@@ -202,7 +200,6 @@ def rule_optimizer_step(s: RunStats) -> Finding | None:
             "foreach_gain_source": "measured" if measured else "assumed",
         },
         cause="for_loop",
-        removed_s=saved_s,
     )
 
 
@@ -225,7 +222,7 @@ def rule_host_loop(s: RunStats) -> Finding | None:
         HOST_SHARE,
         "Host loop: {share:.0%} of the step in the loop's own code between steps",
         advice,
-        lambda _k: 1.0,
+        lambda _k, phase_s: phase_s,
     )
 
 
@@ -246,7 +243,7 @@ def rule_evaluation(s: RunStats) -> Finding | None:
         EVALUATION_SHARE,
         "Evaluation: {share:.0%} of the wall time is spent evaluating",
         advice,
-        lambda k: 1.0 - 1.0 / k,
+        lambda k, phase_s: phase_s * (1.0 - 1.0 / k),
     )
 
 
@@ -268,7 +265,7 @@ def rule_checkpoint_io(s: RunStats) -> Finding | None:
         CHECKPOINT_SHARE,
         "Checkpoint I/O: {share:.0%} of the wall time is spent saving checkpoints",
         advice,
-        lambda k: 1.0 - 1.0 / k,
+        lambda k, phase_s: phase_s * (1.0 - 1.0 / k),
     )
 
 
@@ -290,7 +287,7 @@ def rule_logging(s: RunStats) -> Finding | None:
         LOGGING_SHARE,
         "Logging: {share:.0%} of the step is spent logging",
         advice,
-        lambda k: 1.0 - 1.0 / k,
+        lambda k, phase_s: phase_s * (1.0 - 1.0 / k),
     )
 
 
