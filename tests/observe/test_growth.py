@@ -11,6 +11,7 @@ from __future__ import annotations
 import doctest
 import io
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,8 @@ def test_a_kept_graph_leak_is_memory_growth_and_a_healthy_run_is_not(
 ) -> None:
     # a reading at every step end, whatever this machine's speed: how readings are spaced by their cost
     # is test_reads_are_spaced_to_cost_at_most_the_budget's (a fake clock); here only what they show counts
-    monkeypatch.setattr(growth, "READ_BUDGET", 1.0)
+    # (an unbounded budget: with 1.0, a read slower than a 1.2 ms step on a loaded CI host doubled the stride)
+    monkeypatch.setattr(growth, "READ_BUDGET", math.inf)
     leaky = train(tmp_path / "leak", leak=True)
     found = leaky.finding("memory-growth")
     assert found is not None, [f.id for f in leaky.findings]
@@ -205,7 +207,8 @@ def test_fragmentation_and_growth_on_cuda_reach_the_report_and_tensorboard(
     })  # fmt: skip
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.setattr(growth, "READ_BUDGET", 1.0)  # a read at every step end, however fast the step
+    # (an unbounded budget: with 1.0, a read slower than a 1.2 ms step on a loaded CI host doubled the stride)
+    monkeypatch.setattr(growth, "READ_BUDGET", math.inf)  # a read at every step end, however fast the step
     report = cuda_guard_run(tmp_path, done=done)
 
     frag = report.finding("fragmentation")
@@ -288,7 +291,8 @@ def test_the_lightning_callback_reports_growth_only_for_a_leak(
 
     cuda = install_fake_cuda(monkeypatch)
     install_fake_nvml(monkeypatch, [FakeGpu("NVIDIA A100-SXM4-40GB", "GPU-aaaa")])
-    monkeypatch.setattr(growth, "READ_BUDGET", 1.0)  # a read at every step end, however fast the step
+    # (an unbounded budget: with 1.0, a read slower than a 1.2 ms step on a loaded CI host doubled the stride)
+    monkeypatch.setattr(growth, "READ_BUDGET", math.inf)  # a read at every step end, however fast the step
 
     class Module(LitNet):
         def train_dataloader(self) -> Any:

@@ -30,6 +30,7 @@ from resource_guard.devices import DeviceSpec, nvml
 from resource_guard.devices.nvml import NvmlDevices, NvmlUnavailable
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.observe import monitor, sampler, throughput
+from resource_guard.observe.growth import MemoryWatch
 from resource_guard.observe.monitor import METRIC_KEYS, RunMonitor
 from resource_guard.observe.profiling import ProfileWindow
 from resource_guard.observe.sampler import Sampler
@@ -269,6 +270,41 @@ def test_a_window_at_the_first_steps_keeps_them_having_nothing_else(monkeypatch:
     assert report is not None and report.stats.steps == 3
     assert report.stats.step_time_s == pytest.approx(0.2)
     assert not any("profiler traced" in n for n in report.stats.notes)
+
+
+def test_the_monitors_own_work_at_a_log_boundary_is_out_of_both_the_step_time_and_the_phases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A memory reading before a log boundary is the monitor's time: the next interval's wall and its
+    phases both start after it, so the phases add up to the step unscaled (CI once saw a 30 ms
+    checkpoint phase reported as 29.96 ms: the wall had lost the reading's time, the phases had not)."""
+    clock = FakeClock()
+    monkeypatch.setattr(monitor, "_clock", clock)
+    mon = RunMonitor(None, log_every_n_steps=4, profile=False, summary=False, interval_s=0.01,
+                     phase_timing=True)  # fmt: skip
+    mon.start()
+    assert mon.phases is not None
+
+    def slow_read() -> int:
+        clock.now += 0.5  # the monitor's own work, at every step end
+        return 0
+
+    mon._memory = MemoryWatch(slow_read, "test", clock=clock)
+    for _ in range(12):
+        mon.phases.switch("data_wait")
+        clock.now += 0.01
+        mon.batch_ready(torch.zeros(8, 4))
+        mon.phases.switch("checkpoint")
+        clock.now += 0.03
+        mon.phases.switch("other")
+        mon.step_end()
+    report = mon.close()
+    assert report is not None
+    s = report.stats
+    assert s.step_time_s == pytest.approx(0.04)
+    assert s.phases is not None
+    assert s.phases["checkpoint"] == pytest.approx(0.03) and s.phases["data_wait"] == pytest.approx(0.01)
+    assert s.phases["other"] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_step_timer_drops_a_held_step() -> None:

@@ -356,7 +356,9 @@ class RunMonitor(MonitorOutputs):
                 self._guard("profiler", self._profiler.step, off="_profiler")  # type: ignore[union-attr]
                 own_work = True
             if self._step == 1 or self._step % self.log_every_n_steps == 0:
-                self._log_interval(_clock())
+                # the interval ends with the step, before the monitor's own work above: that work is
+                # then out of both clocks alike (skipped below), not of the step time alone
+                self._log_interval(now)
                 if self._sampler is not None:
                     self._warn_sampler()
                 own_work = True
