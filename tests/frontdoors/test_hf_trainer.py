@@ -25,7 +25,7 @@ from transformers import (
 import resource_guard
 from cpu_reference import skip_unless_cpu_runs
 from resource_guard.errors import ConfigurationError, DoesNotFitError
-from resource_guard.frontdoors import hf_runtime, hf_step
+from resource_guard.frontdoors import hf_runtime, hf_step, hf_trainer
 from resource_guard.frontdoors.hf_plan import plan_training_args
 from resource_guard.frontdoors.hf_runtime import without_accelerate_autocast
 from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback
@@ -383,6 +383,102 @@ def test_report_files_and_tensorboard_tags_exist_after_train(tmp_path):
     assert any(tag.startswith("resource_guard/") for tag in events.Tags()["scalars"])
     assert "train/loss" in events.Tags()["scalars"]  # the same run as the Trainer's
     assert any(tag.startswith("resource_guard/plan") for tag in events.Tags()["tensors"])
+
+
+class FailAt(TrainerCallback):
+    """Makes the model fail in its forward (an out-of-memory error) or its backward (a RuntimeError)
+    from the step after ``step``, the way a real failure comes: from inside the Trainer's own step."""
+
+    def __init__(self, model, where: str, step: int = 2) -> None:
+        self.armed, self.step = False, step
+        if where == "forward":
+            model.register_forward_pre_hook(self._forward)
+        else:
+            model.lm_head.weight.register_hook(self._backward)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.armed = self.armed or state.global_step >= self.step
+
+    def _forward(self, module, args):
+        if self.armed and module.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+    def _backward(self, grad):
+        if self.armed:
+            raise RuntimeError("a backward that fails (simulated)")
+
+
+def test_an_out_of_memory_error_in_a_training_forward_writes_the_report_at_once(tmp_path):
+    model = gpt2()
+    guard = ResourceGuardCallback(memory_limit="1GiB", profile=False)
+    args = targs(tmp_path, per_device_train_batch_size=4, max_steps=5)
+    trainer = Trainer(model=model, args=args, train_dataset=lm_rows(32, 16),
+                      callbacks=[guard, FailAt(model, "forward")])  # fmt: skip
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.train()
+    assert guard.report is not None and guard.report.verdict == "oom"
+    oom = guard.report.stats.oom
+    assert oom is not None and oom["step"] == 3 and oom["error"].startswith("OutOfMemoryError")
+    out = tmp_path / "out" / "resource_guard"
+    assert (out / "oom.json").exists() and "oom" in (out / "report.md").read_text()
+
+
+def test_a_run_restarted_after_an_unseen_error_closes_the_first_report_with_a_note(tmp_path, monkeypatch):
+    monitors = []
+    build = hf_trainer.build_monitor
+
+    def keep(*args, **kwargs):
+        monitors.append(build(*args, **kwargs))
+        return monitors[-1]
+
+    monkeypatch.setattr(hf_trainer, "build_monitor", keep)
+    model = gpt2()
+    failing = FailAt(model, "backward")
+    guard = ResourceGuardCallback(memory_limit="1GiB", profile=False)
+    args = targs(tmp_path, per_device_train_batch_size=4, max_steps=4)
+    trainer = Trainer(model=model, args=args, train_dataset=lm_rows(32, 16), callbacks=[guard, failing])
+    with pytest.raises(RuntimeError, match="a backward that fails"):
+        trainer.train()
+    assert guard.report is None  # the Trainer said nothing: the run is still open
+    failing.armed, failing.step = False, 10**9
+    trainer.train()  # a retry, as auto_find_batch_size's after an out-of-memory error
+    first = monitors[0].report
+    assert first is not None and first.stats.steps == 2
+    assert any("RunEndedEarly: the Trainer started training again" in n for n in first.stats.notes)
+    assert guard.report is not None and guard.report is monitors[1].report and guard.report.stats.steps == 4
+
+
+CRASHING_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from frontdoors.test_hf_trainer import FailAt, gpt2, lm_rows, targs
+from pathlib import Path
+from transformers import Trainer
+from resource_guard import ResourceGuardCallback
+
+model = gpt2()
+args = targs(Path({tmp!r}), per_device_train_batch_size=4, max_steps=5)
+guard = ResourceGuardCallback(memory_limit="1GiB", profile=False)
+trainer = Trainer(model=model, args=args, train_dataset=lm_rows(32, 16),
+                  callbacks=[guard, FailAt(model, "backward")])
+trainer.train()
+"""
+
+
+@pytest.mark.slow
+def test_a_script_that_dies_in_backward_still_writes_the_report_at_exit(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = CRASHING_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "a backward that fails" in done.stderr, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "resource_guard" / "report.json").read_text())
+    assert report["summary"]["steps"] == 2
+    notes = report["summary"]["notes"]
+    assert any("RuntimeError: a backward that fails" in n for n in notes), notes
+    assert "resource_guard: verdict" in done.stderr  # the summary printed as at on_train_end
 
 
 @pytest.mark.slow

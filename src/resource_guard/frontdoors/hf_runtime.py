@@ -42,14 +42,14 @@ __all__ = [
 
 
 class ModelHook:
-    """The forward pre-hook: shared, not copied, by ``copy.deepcopy(model)`` (the estimates copy the model;
+    """A forward (pre-)hook: shared, not copied, by ``copy.deepcopy(model)`` (the estimates copy the model;
     a copied hook would copy the callback and all it holds). It ignores every module but the watched one."""
 
     def __init__(self, fn: Callable[..., None]) -> None:
         self.fn = fn
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.fn(module, args, kwargs)
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        self.fn(module, *args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ModelHook:
         return self

@@ -19,8 +19,13 @@ scalars into the Trainer's TensorBoard run; the summary is printed at ``on_train
 pieces (the hook object, accelerate's autocast wrapper taken off for a trace, the TensorBoard run, the
 monitor) are in :mod:`~resource_guard.frontdoors.hf_runtime`.
 
-Not covered: the Trainer has no exception hook, so a run that crashes for another reason (an OOM
-included) leaves the monitor unclosed and writes no report.
+A run that ends in an error still gets its report, though the Trainer has no exception hook: an
+out-of-memory error in a training forward closes the monitor at once (a forward hook with
+``always_call=True``, run while the allocator still holds the step; ``oom.json`` is written); any other
+error, or one in backward or the optimizer step, closes it when the process exits (``atexit``, with the
+error Python kept as ``sys.last_value``) or when the Trainer starts training again (``auto_find_batch_size``
+retrying after an out-of-memory error, a second ``train()`` in a notebook). Closed that way, the report
+makes no collective: the other ranks may be gone.
 
 Example:
     >>> from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback
@@ -31,9 +36,11 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -60,6 +67,7 @@ from resource_guard.frontdoors.hf_runtime import (
     too_big_message,
     without_accelerate_autocast,
 )
+from resource_guard.observe.oom import is_oom
 from resource_guard.observe.profiling import ProfileWindow
 
 if TYPE_CHECKING:
@@ -68,6 +76,10 @@ if TYPE_CHECKING:
 __all__ = ["ResourceGuardCallback"]
 
 _TEXT_TAG = "resource_guard/plan"
+
+
+class RunEndedEarly(RuntimeError):
+    """The Trainer's run ended without ``on_train_end``, by an error the callback did not see."""
 
 
 class ResourceGuardCallback(TrainerCallback):
@@ -151,7 +163,8 @@ class ResourceGuardCallback(TrainerCallback):
         self._evals = EvalPreflights()
         self._args: Any = None
         self._model: nn.Module | None = None
-        self._hook: Any = None
+        self._hooks: tuple[Any, ...] = ()
+        self._errors_before: Any = None  # sys.last_value when the monitor started: an older error
         self._optimizer: torch.optim.Optimizer | None = None
         self._loss: Any = None
         self._keys: dict[str, tuple[torch.Size, torch.dtype]] = {}  # the planned batch's tensors
@@ -184,7 +197,8 @@ class ResourceGuardCallback(TrainerCallback):
     ) -> None:
         """The pre-flight of the configured step on every rank; ``DoesNotFitError`` before step 0."""
         self._args = args
-        self._stop_run()
+        if self._monitor is not None:  # the previous run ended without on_train_end
+            self._stop_run(self._ended_early("the Trainer started training again before this run ended"))
         self.plan, self.report, self.shape_stats, self._eval_pending = None, None, None, True
         if not isinstance(model, nn.Module) or optimizer is None or train_dataloader is None:
             return
@@ -340,12 +354,25 @@ class ResourceGuardCallback(TrainerCallback):
 
     # -- the batches, seen by the model ------------------------------------------------------------
     def _watch(self, model: nn.Module) -> None:
-        if self._model is model and self._hook is not None:
+        if self._model is model and self._hooks:
             return
-        if self._hook is not None:
-            self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         self._model = model
-        self._hook = model.register_forward_pre_hook(ModelHook(self._before_forward), with_kwargs=True)
+        self._hooks = (
+            model.register_forward_pre_hook(ModelHook(self._before_forward), with_kwargs=True),
+            model.register_forward_hook(ModelHook(self._after_forward), always_call=True),
+        )
+
+    def _after_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """After every forward, also one that raised (``always_call``: then ``output`` is ``None`` and the
+        error is being handled): an out-of-memory error in training closes the run now, while the
+        allocator still holds what the step allocated."""
+        if output is not None or self._monitor is None or self._inside or module is not self._model:
+            return
+        error = sys.exc_info()[1]
+        if module.training and is_oom(error):
+            self._stop_run(error)
 
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._inside or module is not self._model:
@@ -428,12 +455,26 @@ class ResourceGuardCallback(TrainerCallback):
         self._monitor = build_monitor(
             args, state, self.plan, log_dir, self.profile, self._writer, self._shapes
         )
+        self._errors_before = getattr(sys, "last_value", None)
         self._monitor.start()
+        atexit.register(self._close_at_exit)
+
+    def _ended_early(self, why: str) -> BaseException:
+        """The error that ended the run: the one Python kept as uncaught since the monitor started (a
+        script's, at exit; a notebook's), else a :class:`RunEndedEarly` saying ``why``."""
+        error = getattr(sys, "last_value", None)
+        if isinstance(error, BaseException) and error is not self._errors_before:
+            return error
+        return RunEndedEarly(f"{why} (no on_train_end: an error the callback did not see)")
+
+    def _close_at_exit(self) -> None:
+        self._stop_run(self._ended_early("the process exited before the Trainer's run ended"))
 
     def _stop_run(self, exc: BaseException | None = None) -> None:
         """Close the monitor (the report is written and printed) and its writer. Safe to call twice."""
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
+            atexit.unregister(self._close_at_exit)
             self.report = monitor.close(exc)
         writer, self._writer = self._writer, None
         if writer is not None:
