@@ -385,6 +385,25 @@ def test_report_files_and_tensorboard_tags_exist_after_train(tmp_path):
     assert any(tag.startswith("resource_guard/plan") for tag in events.Tags()["tensors"])
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_micro_steps_model_flops_are_counted_for_mfu_without_the_recomputed_forward(
+    tmp_path, checkpointing
+):
+    """GPT-2 (2 layers, width 32, vocabulary 128) on 4 rows of 16 tokens: each matmul weight costs
+    2·tokens FLOPs forward and twice that backward; attention's two batched matmuls per layer come on
+    top where torch's counter knows the kernel (CPU's fused attention it does not count). The model's own
+    gradient checkpointing recomputes the forward; that is hardware work, not model FLOPs."""
+    args = targs(tmp_path, per_device_train_batch_size=4, max_steps=2, **{CKPT: checkpointing})
+    guard = ResourceGuardCallback(memory_limit="1GiB", profile=False, verbose=False)
+    Trainer(model=gpt2(), args=args, train_dataset=lm_rows(16, 16), callbacks=[guard]).train()
+    tokens, width = 4 * 16, 32
+    weights = 2 * (width * 3 * width + width * width + 2 * width * 4 * width) + width * VOCAB
+    attention = 2 * 2 * (2 * 4 * 16 * 16 * width)  # layers × (QKᵀ, AV) × 2·B·S·S·width
+    linear = 3 * 2 * tokens * weights
+    assert guard.report is not None and guard.report.stats.flops_per_step is not None
+    assert linear <= guard.report.stats.flops_per_step <= linear + 3 * attention
+
+
 class FailAt(TrainerCallback):
     """Makes the model fail in its forward (an out-of-memory error) or its backward (a RuntimeError)
     from the step after ``step``, the way a real failure comes: from inside the Trainer's own step."""

@@ -172,10 +172,18 @@ def tensorboard_writer(args: Any) -> Any:
 
 
 def build_monitor(
-    args: Any, state: Any, made: Plan, log_dir: str | os.PathLike[str], profile: Any, writer: Any, shapes: Any
+    args: Any,
+    state: Any,
+    made: Plan,
+    log_dir: str | os.PathLike[str],
+    profile: Any,
+    writer: Any,
+    shapes: Any,
+    flops_per_step: float | None = None,
 ) -> Any:
     """The :class:`~resource_guard.RunMonitor` of a Trainer run (not started): one step per micro-batch,
-    the plan's estimate and capacity, the loader's settings from ``args``; only process zero writes."""
+    the plan's estimate and capacity, the loader's settings from ``args``, the micro-step's model FLOPs
+    (MFU where the device's peak is known); only process zero writes."""
     from resource_guard.observe.monitor import RunMonitor
 
     device = torch.device(args.device)
@@ -201,6 +209,7 @@ def build_monitor(
             "prefetch_factor": args.dataloader_prefetch_factor,
         },
         precision=made.precision,
+        flops_per_step=flops_per_step,
     )
     max_steps = int(getattr(state, "max_steps", 0) or 0)
     monitor.total_steps = max_steps * args.gradient_accumulation_steps if max_steps > 0 else None

@@ -164,6 +164,7 @@ class ResourceGuardCallback(TrainerCallback):
         self._args: Any = None
         self._model: nn.Module | None = None
         self._hooks: tuple[Any, ...] = ()
+        self._flops_per_step: float | None = None
         self._errors_before: Any = None  # sys.last_value when the monitor started: an older error
         self._optimizer: torch.optim.Optimizer | None = None
         self._loss: Any = None
@@ -250,6 +251,8 @@ class ResourceGuardCallback(TrainerCallback):
         rows = args.per_device_train_batch_size
         collate = getattr(loader, "collate_fn", None) or default_collator()
         batch = hf_step.sample_batch(loader.dataset, collate, rows, args.device)
+        if self.monitor:
+            self._flops_per_step = self._count_flops(model, batch)
         notes: list[str] = []
         worst = None
         if self.check_shapes:
@@ -314,6 +317,20 @@ class ResourceGuardCallback(TrainerCallback):
                 self._shapes = None  # off on every rank alike: no rank waits in an agreement alone
         self.plan = dataclasses.replace(made, reasons=(*made.reasons, *notes))
         return notes
+
+    def _count_flops(self, model: nn.Module, batch: Any) -> float | None:
+        """Model FLOPs of one micro-step (forward and backward, the loader's first batch: the run's
+        typical one, not its worst case), for MFU; counted on a fake copy in eval mode, so that the
+        model's own gradient checkpointing does not count its recomputed forward."""
+        from resource_guard.observe.throughput import count_flops
+
+        loss = self._loss
+
+        def model_flops_loss(m: nn.Module, b: Any) -> Any:
+            return loss(m.eval(), b)
+
+        with self._tracing(model):
+            return count_flops(model, batch, model_flops_loss)
 
     def _render(self, args: Any, seconds: float, notes: list[str]) -> str:
         assert self.plan is not None
@@ -453,7 +470,7 @@ class ResourceGuardCallback(TrainerCallback):
                 self._writer.add_text(_TEXT_TAG, f"{head}\n\n{rest}", state.global_step)
         log_dir = self.log_dir or os.path.join(args.output_dir, "resource_guard")
         self._monitor = build_monitor(
-            args, state, self.plan, log_dir, self.profile, self._writer, self._shapes
+            args, state, self.plan, log_dir, self.profile, self._writer, self._shapes, self._flops_per_step
         )
         self._errors_before = getattr(sys, "last_value", None)
         self._monitor.start()
