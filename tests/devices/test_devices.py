@@ -349,6 +349,10 @@ def test_match_hardware_name(
 def test_resolve_cpu_mps_catalog_and_unknown() -> None:
     cpu = resolve_device("cpu")
     assert cpu.source == "detected" and cpu.free_bytes is not None
+    # torch's indexed spelling, the Trainer's `args.device` on each rank of a CPU job
+    assert resolve_device("cpu:0").name == resolve_device("CPU:1").name == cpu.name
+    with pytest.raises(ConfigurationError, match="Unknown device"):
+        resolve_device("cpu:x")
     spec = DeviceSpec("custom", "cuda", GiB)
     assert resolve_device(spec) is spec
     assert resolve_device("a100").name == "a100-40gb" and resolve_device("a100").source == "catalog"

@@ -228,8 +228,9 @@ def resolve_device(device: str | DeviceSpec | None = "auto", catalog: Catalog | 
     """Turn a user's device argument into a :class:`DeviceSpec`.
 
     ``"auto"``/None: the CUDA/ROCm GPU with most free memory, else MPS, else the CPU (all detected).
-    ``"cpu"``, ``"mps"``, ``"cuda"`` (= ``"cuda:0"``), ``"cuda:N"``: that detected device. Any other
-    name is looked up in the catalog (no hardware needed), e.g. ``"a100-40gb"`` for a pre-flight check.
+    ``"cpu"`` (or torch's ``"cpu:N"``), ``"mps"``, ``"cuda"`` (= ``"cuda:0"``), ``"cuda:N"``: that detected
+    device. Any other name is looked up in the catalog (no hardware needed), e.g. ``"a100-40gb"`` for a
+    pre-flight check.
 
     Raises:
         ConfigurationError: the device is absent or unknown; the message says what exists.
@@ -249,7 +250,7 @@ def resolve_device(device: str | DeviceSpec | None = "auto", catalog: Catalog | 
                 key=lambda d: (d.memory_bytes if d.free_bytes is None else d.free_bytes, -(d.index or 0)),
             )
         return next((d for d in local if d.kind == "mps"), local[-1])
-    if name.lower() == "cpu":
+    if re.fullmatch(r"cpu(?::\d+)?", name.lower()):  # "cpu:0": the Trainer's `args.device` on CPU ranks
         return _cpu_spec()
     if name.lower() == "mps":
         if not _mps_available():

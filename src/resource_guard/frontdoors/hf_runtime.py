@@ -129,19 +129,25 @@ def world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def agree(error: BaseException | None) -> BaseException | None:
-    """This rank's error, or, when another rank failed, an error saying so (one collective)."""
+def agree(error: BaseException | None, shapes_on: bool) -> tuple[BaseException | None, bool]:
+    """One collective after every rank's pre-flight: this rank's error, or, when another rank failed,
+    an error saying so; and whether the shape guard stays on (on every rank, or on none: a rank must
+    not wait in a per-batch agreement alone).
+
+    Each rank sends 0 (its pre-flight failed), 1 (no shape guard) or 2; the smallest value decides.
+    """
     if world() <= 1:
-        return error
+        return error, shapes_on
     from resource_guard.frontdoors.shape_guard import agree_min
 
-    if agree_min(int(error is None)) == 1:
-        return None
+    agreed = agree_min(0 if error is not None else 1 + int(shapes_on))
+    if agreed > 0:
+        return None, agreed == 2
     return error or DoesNotFitError(
         "the Trainer's step does not fit on another rank; every rank stops before step 0 (that rank's "
         "error has the report).",
         None,
-    )
+    ), False
 
 
 def tensorboard_run_dir(args: Any) -> Path | None:

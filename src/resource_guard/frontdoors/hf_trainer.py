@@ -210,9 +210,12 @@ class ResourceGuardCallback(TrainerCallback):
             notes = self._preflight(args, model, optimizer, train_dataloader)
         except Exception as failure:  # every rank must reach the agreement below, also after an error
             error, notes = failure, []
-        error = agree(error)
+        # the one collective of the pre-flight, made by every rank whatever its pre-flight did
+        error, shapes_on = agree(error, self._shapes is not None)
         if error is not None:
             raise error
+        if not shapes_on:
+            self._shapes = None  # off on every rank alike
         assert self.plan is not None
         if self.verbose and args.process_index == 0:
             say(self._render(args, time.perf_counter() - started, notes))
@@ -310,11 +313,6 @@ class ResourceGuardCallback(TrainerCallback):
                     f"ResourceGuardCallback: the shape check is off: {error!r}", ResourceGuardWarning, 3
                 )
                 self._shapes = None
-        if world > 1:
-            from resource_guard.frontdoors.shape_guard import agree_min
-
-            if agree_min(int(self._shapes is not None)) == 0:
-                self._shapes = None  # off on every rank alike: no rank waits in an agreement alone
         self.plan = dataclasses.replace(made, reasons=(*made.reasons, *notes))
         return notes
 
