@@ -273,6 +273,73 @@ def dispatch_costs(n: int = 2000) -> dict[str, float]:
     return {name: value - out["none"] for name, value in out.items() if name != "none"}
 
 
+def in_run(steps: int, block: int, part: str, warmup: int = 200) -> dict[str, float]:
+    """The monitor's cost inside one ``guard`` run: blocks of ``block`` steps alternate between the
+    monitor on and ``part`` of it off (``"all"``; ``"clock"``, the phase switches; ``"monitor"``, the
+    per-step calls and log boundaries). The same model, memory layout and data on both sides, so the
+    differences are not buried under the run-to-run spread of separate runs (a freshly built model's
+    step varies by ~3% from one run to the next, ten times the effect). Returns the medians over block
+    pairs of (on − off) training-thread CPU and wall time per step, in seconds, and their quartiles.
+
+    Reaches into the guard for the switch (``_monitor``, ``_clock``, the stepper's ``clock``): a
+    benchmark of internals, not an API.
+    """
+    from resource_guard import guard
+
+    torch.manual_seed(0)
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data = _data(256)
+
+    def batches():
+        for i in range(steps):
+            if i % 256 == 0:
+                loader = iter(DataLoader(data, batch_size=BATCH))
+            yield next(loader)
+
+    means: dict[str, dict[bool, list[float]]] = {"cpu": {True: [], False: []}, "wall": {True: [], False: []}}
+    with tempfile.TemporaryDirectory() as tmp, guard(
+        model, optimizer, device="cpu", precision="32-true", checkpointing=False, headroom=0.0,
+        profile=False, log_dir=tmp,
+    ) as g:  # fmt: skip
+        on, saved = True, None
+        cpu, wall = [], []
+        t0, w0 = time.thread_time(), time.perf_counter()
+        for n, (x, y) in enumerate(g.iterate(batches()), start=1):
+            with g.autocast():
+                loss = nn.functional.cross_entropy(model(x), y)
+            g.backward(loss)
+            t1, w1 = time.thread_time(), time.perf_counter()
+            cpu.append(t1 - t0)
+            wall.append(w1 - w0)
+            t0, w0 = t1, w1
+            if n % block:
+                continue
+            if n > warmup:  # the block's first step holds the switch: left out
+                means["cpu"][on].append(statistics.mean(cpu[1:]))
+                means["wall"][on].append(statistics.mean(wall[1:]))
+            cpu, wall = [], []
+            on = not on
+            if on:
+                g._monitor, g._clock, g._stepper.clock = saved
+                continue
+            saved = (g._monitor, g._clock, g._stepper.clock)
+            if part in ("all", "monitor"):
+                g._monitor = None
+            if part in ("all", "clock"):
+                g._clock = g._stepper.clock = None
+        if not on:
+            g._monitor, g._clock, g._stepper.clock = saved
+    out: dict[str, float] = {}
+    for kind, by in means.items():
+        pairs = [a - b for a, b in zip(by[True], by[False])]
+        out[f"{kind}_s"] = statistics.median(pairs)
+        out[f"{kind}_q1_s"], _, out[f"{kind}_q3_s"] = statistics.quantiles(pairs, n=4)
+        out[f"{kind}_step_s"] = statistics.median(by[False])
+    out["pairs"] = len(pairs)
+    return out
+
+
 def _summary(times: dict[str, list[float]], base: str) -> dict[str, dict[str, float]]:
     """Per variant: the median step, and the medians over rounds of its difference from the baseline of
     the same round (µs per step, share of the baseline's step), with the quartiles of the share."""
@@ -309,12 +376,30 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--only", choices=("lightning", "plain"), default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--in-run", type=int, default=0, metavar="STEPS",
+        help="instead: the monitor's cost inside one guard run of STEPS steps, by part (blocks of 25)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     for name in ("lightning.pytorch", "lightning.pytorch.utilities.rank_zero", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    if args.in_run:
+        results = {}
+        print(f"inside one guard run: {args.in_run} steps, blocks of 25 alternating on / off, 1 torch thread")
+        for part in ("all", "clock", "monitor"):
+            row = results[part] = in_run(args.in_run, 25, part)
+            print(
+                f"  {part:<8} off: {row['cpu_s'] * 1e6:+6.2f} us/step CPU "
+                f"({row['cpu_s'] / row['cpu_step_s']:+.2%} of {row['cpu_step_s'] * 1e3:.2f} ms; quartiles "
+                f"{row['cpu_q1_s'] * 1e6:+.1f} .. {row['cpu_q3_s'] * 1e6:+.1f}), "
+                f"{row['wall_s'] * 1e6:+6.2f} us/step wall, {row['pairs']} block pairs"
+            )
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
     doors = {
         "lightning": (("none", "empty", "guard", "dsm"), lightning_run, "Lightning Trainer.fit"),
         "plain": (("bare", "nomon", "guard"), plain_run, "plain loop"),
