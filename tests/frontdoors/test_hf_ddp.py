@@ -9,17 +9,12 @@ rank wrote.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-import resource_guard
+from lightning_ddp_launch import run_torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -85,35 +80,15 @@ SCRIPT = textwrap.dedent(
         files=sorted(p.name for p in (OUT / "run" / "resource_guard").glob("*")) if RANK == 0 else None,
     )
     (OUT / f"rank{RANK}.json").write_text(json.dumps(result))
+    # gloo's threads, left to the interpreter's exit, abort it now and then ("terminate called without an
+    # active exception", with or without the callback): the group is taken down first, as it should be
+    torch.distributed.destroy_process_group()
     """
 )
 
 
-def run_ranks(tmp_path: Path, mode: str, timeout_s: float = 240) -> tuple[int, str, list[dict]]:
-    """``(exit code, output, [rank 0's result, rank 1's result])`` of the script run on two ranks."""
-    script, out = tmp_path / "hf_ddp_script.py", tmp_path / "out"
-    script.write_text(SCRIPT)
-    out.mkdir()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    source = str(Path(resource_guard.__file__).resolve().parents[1])  # this checkout, not an installed copy
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(script), str(out), mode]  # fmt: skip
-    proc = subprocess.Popen(
-        command, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the two-rank run {mode!r} hung for {timeout_s} s:\n{output[-4000:]}")
-    ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
-    assert len(ranks) == 2, f"both ranks must report:\n{output[-4000:]}"
-    return proc.returncode, output, ranks
+def run_ranks(tmp_path: Path, mode: str) -> tuple[int, str, list[dict]]:
+    return run_torchrun(tmp_path, SCRIPT, mode)
 
 
 def test_both_ranks_train_and_only_rank_zero_writes_the_report(tmp_path: Path) -> None:
