@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from resource_guard.errors import (
         ConfigurationError,
         DoesNotFitError,
+        PredictedOutOfMemoryError,
         ResourceGuardError,
         ResourceGuardWarning,
         TraceError,
@@ -54,6 +55,7 @@ __all__ = [
     "MemoryEstimate",
     "Plan",
     "PrecisionSpec",
+    "PredictedOutOfMemoryError",
     "Projection",
     "ProjectionRow",
     "Report",
@@ -90,6 +92,7 @@ _EXPORTS = {
     "resolve_device": "resource_guard.devices",
     "ConfigurationError": "resource_guard.errors",
     "DoesNotFitError": "resource_guard.errors",
+    "PredictedOutOfMemoryError": "resource_guard.errors",
     "ResourceGuardError": "resource_guard.errors",
     "ResourceGuardWarning": "resource_guard.errors",
     "TraceError": "resource_guard.errors",

@@ -14,6 +14,7 @@ __all__ = [
     "ConfigurationError",
     "TraceError",
     "DoesNotFitError",
+    "PredictedOutOfMemoryError",
 ]
 
 
@@ -39,3 +40,12 @@ class DoesNotFitError(ResourceGuardError):
     def __init__(self, message: str, report: Any = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class PredictedOutOfMemoryError(DoesNotFitError, RuntimeError):
+    """The configured batch would run out of memory, predicted before any step, and a smaller one fits.
+
+    Raised by the Hugging Face door under ``TrainingArguments(auto_find_batch_size=True)``: a
+    ``RuntimeError`` whose message has accelerate's " out of memory." words, so that accelerate's loop
+    lowers the batch and tries again, as after a real out-of-memory error, but without running a step.
+    """

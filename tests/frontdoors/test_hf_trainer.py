@@ -83,6 +83,18 @@ def peak_at(model, args, data, **kwargs) -> int:
     return made.fit.device_total_bytes
 
 
+def fp32_peak(tmp_path: Path, rows: int, data) -> int:
+    """The estimate of the Trainer's step at ``rows`` rows in fp32, as the callback makes it for
+    arguments without bf16/fp16 (``peak_at`` lets the plan choose the precision, bf16 on a bf16 host)."""
+    from resource_guard.estimate import estimate_memory
+
+    model, args = gpt2(), targs(tmp_path, per_device_train_batch_size=rows)
+    step = hf_step.trainer_step(hf_step.trainer_loss(model, args), args.max_grad_norm)
+    batch = hf_step.sample_batch(data, hf_step_default_collator(), rows, "cpu", model=model)
+    optimizer = hf_step.trainer_optimizer(model, args)
+    return estimate_memory(model, [optimizer], batch, step, device="cpu").peak_bytes
+
+
 class PadToLongest:
     """A padding collator (what DataCollatorWithPadding does, without a tokenizer)."""
 
@@ -402,6 +414,55 @@ def test_the_micro_steps_model_flops_are_counted_for_mfu_without_the_recomputed_
     linear = 3 * 2 * tokens * weights
     assert guard.report is not None and guard.report.stats.flops_per_step is not None
     assert linear <= guard.report.stats.flops_per_step <= linear + 3 * attention
+
+
+@pytest.mark.slow
+def test_auto_find_batch_size_comes_down_to_the_batch_that_fits_without_running_a_step(tmp_path, monkeypatch):
+    """accelerate's loop lowers the batch after each out-of-memory error (by 10% or by half, as its
+    version does); the callback raises a predicted one before any step, so the loop comes down from 16
+    to 4, the largest that fits, and the run trains at 4 without a real step above it."""
+    from resource_guard.errors import PredictedOutOfMemoryError
+
+    data = lm_rows(64, 16)
+    args = targs(tmp_path, per_device_train_batch_size=16, auto_find_batch_size=True)
+    cap = int((fp32_peak(tmp_path, 4, data) + fp32_peak(tmp_path, 5, data)) / 2 / 0.9)
+    refused, rows = [], []
+    trainer_loop = hf_trainer.ResourceGuardCallback._preflight
+
+    def preflight(self, *a, **k):
+        try:
+            return trainer_loop(self, *a, **k)
+        except PredictedOutOfMemoryError as error:
+            refused.append((self._rows, str(error)))
+            raise
+
+    monkeypatch.setattr(hf_trainer.ResourceGuardCallback, "_preflight", preflight)
+    model = gpt2()
+    model.register_forward_pre_hook(  # the real forwards: the estimates trace copies of the model
+        lambda m, a, k: rows.append(len(k["input_ids"])) if m is model and m.training else None,
+        with_kwargs=True,
+    )
+    guard = ResourceGuardCallback(memory_limit=cap, profile=False)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[guard])
+    trainer.train()
+    assert trainer.state.train_batch_size == 4 and guard.plan is not None and guard.plan.micro_batch_size == 4
+    assert set(rows) == {4} and trainer.state.global_step == 3  # no real step above 4
+    assert refused[0][0] == 16 and all(n > 4 for n, _ in refused)
+    assert " out of memory." in refused[0][1] and "Per-device batch 16 needs" in refused[0][1]
+    assert issubclass(PredictedOutOfMemoryError, RuntimeError)  # what accelerate's loop catches
+
+
+def test_without_auto_find_batch_size_a_batch_too_big_is_refused_naming_the_one_that_fits(tmp_path):
+    from resource_guard.errors import PredictedOutOfMemoryError
+
+    data = lm_rows(64, 16)
+    cap = int(fp32_peak(tmp_path, 4, data) / 0.9) + 1
+    guard = ResourceGuardCallback(memory_limit=cap, profile=False, verbose=False)
+    trainer = Trainer(model=gpt2(), args=targs(tmp_path, per_device_train_batch_size=16), train_dataset=data,
+                      callbacks=[guard])  # fmt: skip
+    with pytest.raises(DoesNotFitError, match="per_device_train_batch_size=16 needs more") as raised:
+        trainer.train()
+    assert not isinstance(raised.value, PredictedOutOfMemoryError)
 
 
 class FailAt(TrainerCallback):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from resource_guard.errors import DoesNotFitError, ResourceGuardWarning
+from resource_guard.errors import DoesNotFitError, PredictedOutOfMemoryError, ResourceGuardWarning
 from resource_guard.frontdoors import hf_step
 
 if TYPE_CHECKING:
@@ -131,23 +131,56 @@ def world() -> int:
 
 def agree(error: BaseException | None, shapes_on: bool) -> tuple[BaseException | None, bool]:
     """One collective after every rank's pre-flight: this rank's error, or, when another rank failed,
-    an error saying so; and whether the shape guard stays on (on every rank, or on none: a rank must
-    not wait in a per-batch agreement alone).
+    an error of the same kind saying so; and whether the shape guard stays on (on every rank, or on
+    none: a rank must not wait in a per-batch agreement alone).
 
-    Each rank sends 0 (its pre-flight failed), 1 (no shape guard) or 2; the smallest value decides.
+    Each rank sends 0 (its pre-flight failed), 1 (its batch is predicted to run out of memory:
+    ``auto_find_batch_size`` is to lower it on every rank alike), 2 (fits, no shape guard) or 3; the
+    smallest value decides.
     """
     if world() <= 1:
         return error, shapes_on
     from resource_guard.frontdoors.shape_guard import agree_min
 
-    agreed = agree_min(0 if error is not None else 1 + int(shapes_on))
-    if agreed > 0:
-        return None, agreed == 2
-    return error or DoesNotFitError(
+    too_big = isinstance(error, PredictedOutOfMemoryError)
+    mine = 2 + int(shapes_on) if error is None else int(too_big)
+    agreed = agree_min(mine)
+    if agreed >= 2:
+        return None, agreed == 3
+    if error is not None and agreed == mine:
+        return error, False
+    if agreed == 1:
+        return PredictedOutOfMemoryError(
+            "another rank's per-device batch is predicted to run out of memory. Every rank lowers the batch "
+            "(auto_find_batch_size) before step 0."
+        ), False
+    return DoesNotFitError(
         "the Trainer's step does not fit on another rank; every rank stops before step 0 (that rank's "
         "error has the report).",
         None,
     ), False
+
+
+def per_device_rows(args: Any, state: Any) -> int:
+    """The per-device batch of this attempt: the Trainer's own (``state.train_batch_size``, which
+    ``auto_find_batch_size`` lowers on each retry while ``args.per_device_train_batch_size`` stays), per
+    GPU under ``DataParallel``."""
+    total = getattr(state, "train_batch_size", None) or args.train_batch_size
+    return max(1, int(total) // max(1, int(getattr(args, "n_gpu", 1) or 1)))
+
+
+def predicted_oom_message(rows: int, made: Plan) -> str:
+    """For :class:`~resource_guard.errors.PredictedOutOfMemoryError`: accelerate's loop reads its
+    " out of memory." words (and lowers the batch); the user reads the figures."""
+    full = next(
+        (a for a in made.alternatives if a.micro_batch_size == rows and a.accumulation_steps == 1), None
+    )
+    needs = f"needs {mib(full.predicted_peak_bytes)}, " if full is not None else "needs "
+    return (
+        f"ResourceGuard predicts the step runs out of memory. Per-device batch {rows} {needs}more than the "
+        f"{mib(made.fit.usable_bytes)} usable on {made.device.name}. auto_find_batch_size lowers the batch "
+        "and tries again; no step has run."
+    )
 
 
 def tensorboard_run_dir(args: Any) -> Path | None:

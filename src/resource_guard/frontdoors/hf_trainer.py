@@ -5,7 +5,10 @@ callback traces the Trainer's own step (:mod:`~resource_guard.frontdoors.hf_step
 model and optimizer on a batch of its train loader — the run's largest when it is knowable — and
 raises :class:`~resource_guard.errors.DoesNotFitError` with the report before step 0 when the
 configured ``per_device_train_batch_size`` does not fit (on any rank: the ranks agree with one
-collective). Plan the arguments beforehand with :func:`~resource_guard.frontdoors.hf_plan.plan_training_args`.
+collective). Under ``auto_find_batch_size=True`` the error is a
+:class:`~resource_guard.errors.PredictedOutOfMemoryError`, which accelerate's loop takes for an
+out-of-memory error: it lowers the batch and trains again, each attempt pre-flighted, no step run. Plan
+the arguments beforehand with :func:`~resource_guard.frontdoors.hf_plan.plan_training_args`.
 
 The Trainer shows no callback its batches, so the callback watches the model: a forward pre-hook
 (``register_forward_pre_hook(with_kwargs=True)``, public PyTorch) sees each batch exactly as the model
@@ -51,7 +54,12 @@ from torch import nn
 from transformers import TrainerCallback
 
 from resource_guard.devices import parse_memory_limit
-from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
+from resource_guard.errors import (
+    ConfigurationError,
+    DoesNotFitError,
+    PredictedOutOfMemoryError,
+    ResourceGuardWarning,
+)
 from resource_guard.frontdoors import hf_step
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.frontdoors.hf_plan import render, say
@@ -63,6 +71,8 @@ from resource_guard.frontdoors.hf_runtime import (
     default_collator,
     kept_message,
     mib,
+    per_device_rows,
+    predicted_oom_message,
     tensorboard_writer,
     too_big_message,
     without_accelerate_autocast,
@@ -165,6 +175,7 @@ class ResourceGuardCallback(TrainerCallback):
         self._model: nn.Module | None = None
         self._hooks: tuple[Any, ...] = ()
         self._flops_per_step: float | None = None
+        self._rows = 0  # the per-device batch of this attempt (auto_find_batch_size lowers it)
         self._errors_before: Any = None  # sys.last_value when the monitor started: an older error
         self._optimizer: torch.optim.Optimizer | None = None
         self._loss: Any = None
@@ -206,6 +217,7 @@ class ResourceGuardCallback(TrainerCallback):
         self._watch(model)
         started = time.perf_counter()
         error: BaseException | None = None
+        self._rows = per_device_rows(args, state)
         try:
             notes = self._preflight(args, model, optimizer, train_dataloader)
         except Exception as failure:  # every rank must reach the agreement below, also after an error
@@ -251,11 +263,9 @@ class ResourceGuardCallback(TrainerCallback):
             model, args, compute_loss_func=self.compute_loss_func, loss_fn=self.loss_fn
         )
         step = hf_step.trainer_step(self._loss, args.max_grad_norm)
-        rows = args.per_device_train_batch_size
+        rows = self._rows
         collate = getattr(loader, "collate_fn", None) or default_collator()
-        batch = hf_step.sample_batch(loader.dataset, collate, rows, args.device)
-        if self.monitor:
-            self._flops_per_step = self._count_flops(model, batch)
+        batch = sample = hf_step.sample_batch(loader.dataset, collate, rows, args.device)
         notes: list[str] = []
         worst = None
         if self.check_shapes:
@@ -289,9 +299,17 @@ class ResourceGuardCallback(TrainerCallback):
                 made, accumulation_steps=acc, target_batch_size=rows * acc * world, fit=kept
             )
             if not kept.fits:
-                raise DoesNotFitError(kept_message(acc, kept, made.device.name), made)
+                message = kept_message(acc, kept, made.device.name)
+                if args.auto_find_batch_size:  # a smaller batch leaves room for the gradients
+                    oom = f"ResourceGuard predicts the step runs out of memory. {message}"
+                    raise PredictedOutOfMemoryError(oom, made)
+                raise DoesNotFitError(message, made)
         elif made.accumulation_steps > 1:
+            if args.auto_find_batch_size:  # accelerate's loop lowers the batch and calls again
+                raise PredictedOutOfMemoryError(predicted_oom_message(rows, made), made)
             raise DoesNotFitError(too_big_message(rows, acc, precision, made), made)
+        if self.monitor:  # model FLOPs of the run's typical batch, for MFU
+            self._flops_per_step = self._count_flops(model, sample)
         self._keys = {k: (v.shape, v.dtype) for k, v in batch.items() if isinstance(v, torch.Tensor)} if (
             isinstance(batch, dict)
         ) else {}  # fmt: skip
@@ -333,7 +351,7 @@ class ResourceGuardCallback(TrainerCallback):
     def _render(self, args: Any, seconds: float, notes: list[str]) -> str:
         assert self.plan is not None
         settings = {
-            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "per_device_train_batch_size": self._rows,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "bf16": bool(args.bf16),
             "fp16": bool(args.fp16),
