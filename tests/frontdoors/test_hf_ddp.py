@@ -61,9 +61,12 @@ SCRIPT = textwrap.dedent(
     args = TrainingArguments(
         str(OUT / "run"), use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no", max_steps=6,
         logging_steps=1, disable_tqdm=True, per_device_train_batch_size=2, dataloader_drop_last=True,
+        auto_find_batch_size=MODE == "autofind",
     )
     # 4 MB: a 2×16 batch (0.9 MiB) fits, a 2×160 one (5.9 MiB) does not; 64 KiB: not one row
-    cap = {"fits": "1GiB", "nofit": "1GiB" if RANK == 0 else "64KiB", "late": 4_000_000}[MODE]
+    # ~0.99 MB: 1 row of 16 tokens (0.8 MiB) fits, 2 rows (0.9 MiB) do not: on rank 1 only, as "small"
+    cap = {"fits": "1GiB", "nofit": "1GiB" if RANK == 0 else "64KiB", "late": 4_000_000,
+           "autofind": "1GiB" if RANK == 0 else 990_000}[MODE]
     guard = ResourceGuardCallback(memory_limit=cap, profile=False, verbose=False)
     trainer = Trainer(model=model, args=args, train_dataset=Rows(13 if MODE == "late" else None),
                       data_collator=pad, callbacks=[guard])
@@ -76,6 +79,7 @@ SCRIPT = textwrap.dedent(
     result.update(
         global_step=trainer.state.global_step,
         micro=guard.plan.micro_batch_size if guard.plan else None,
+        train_batch_size=trainer.state.train_batch_size,
         checked=stats.get("batches_checked"), stops=stats.get("stops"),
         files=sorted(p.name for p in (OUT / "run" / "resource_guard").glob("*")) if RANK == 0 else None,
     )
@@ -115,3 +119,15 @@ def test_a_long_batch_on_one_rank_stops_both_before_it_runs(tmp_path: Path) -> N
     assert "stopped before it ran" in mine["error"] and "a batch on another rank" in other["error"]
     assert r0["checked"] == r1["checked"] and r0["stops"] == r1["stops"] == 1
     assert r0["global_step"] == r1["global_step"]
+
+
+def test_auto_find_batch_size_lowers_the_batch_on_every_rank_when_one_rank_would_run_out(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's batch of 2 is predicted to run out of memory, rank 0's fits: both raise the predicted
+    out-of-memory error (one agreement), accelerate lowers the batch on both, and both train at 1."""
+    code, output, (r0, r1) = run_ranks(tmp_path, "autofind")
+    assert code == 0, output[-4000:]
+    assert "error" not in r0 and "error" not in r1, (r0, r1)
+    assert r0["train_batch_size"] == r1["train_batch_size"] == 1 and r0["micro"] == r1["micro"] == 1
+    assert r0["global_step"] == r1["global_step"] == 6
