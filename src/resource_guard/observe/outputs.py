@@ -256,15 +256,7 @@ class MonitorOutputs:
             demand = dataclasses.replace(demand, intra_op=now)
         out: dict[str, Any] = demand.to_dict()
         top_ops = profile.top_ops if profile is not None else ()
-        ops_share = None
-        if (
-            profile is not None
-            and profile.op_timeline == "host"
-            and profile.step_wall_us
-            and profile.op_class_us
-        ):
-            ops_share = min(1.0, sum(us for _, us in profile.op_class_us) / profile.step_wall_us)
-        out["ops_share"] = ops_share
+        ops_share = out["ops_share"] = profile.ops_share() if profile is not None else None
         out["slowdown"] = None
         if demand.oversubscribed:
             out["slowdown"] = oversubscription_slowdown(demand, typical_op_us(top_ops), ops_share)

@@ -120,10 +120,21 @@ class ProfileSummary:
         recorded steps by a quarter or more on a CPU, while the ops' own times stay close to what they
         take untraced: the ops' time over the untraced step is their share of the step a user runs.
         """
+        return self._share(dict(self.op_class_us).get(name, 0.0), step_s)
+
+    def ops_share(self) -> float | None:
+        """The share of the recorded step that its ops take, all classes together: the rest is Python
+        between them. Host timelines only (a device timeline's kernels overlap the host); ``None``
+        where not measured."""
+        if self.op_timeline != "host":
+            return None
+        return self._share(sum(us for _, us in self.op_class_us))
+
+    def _share(self, us: float, step_s: float | None = None) -> float | None:
         if not self.step_wall_us or not self.op_class_us:
             return None
         step_us = step_s * 1e6 if step_s else self.step_wall_us
-        return min(1.0, dict(self.op_class_us).get(name, 0.0) / step_us)
+        return min(1.0, us / step_us)
 
     def to_dict(self) -> dict[str, Any]:
         return {
