@@ -85,8 +85,12 @@ SCRIPT = textwrap.dedent(
     )
     (OUT / f"rank{RANK}.json").write_text(json.dumps(result))
     # gloo's threads, left to the interpreter's exit, abort it now and then ("terminate called without an
-    # active exception", with or without the callback): the group is taken down first, as it should be
+    # active exception", with or without the callback, also after destroy_process_group on a loaded
+    # host): the results are written, so the process leaves without the C++ teardown
     torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
     """
 )
 
