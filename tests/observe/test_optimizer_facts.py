@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from resource_guard.observe import optimizer_facts
 from resource_guard.observe.optimizer_facts import describe_optimizer, foreach_probe
 
 
@@ -28,15 +29,44 @@ def test_an_optimizer_without_a_foreach_path_is_not_called_slow() -> None:
     assert facts["for_loop"] is False and facts["name"] == "Plain"
 
 
-def test_the_foreach_gain_is_measured_on_tensors_shaped_like_the_parameters() -> None:
-    """Many small tensors: the for-each path runs a few multi-tensor ops instead of ~10 per tensor, so
-    it takes a fraction of the for-loop's time; the optimizer and its parameters are left alone."""
+class _Recording(torch.optim.AdamW):
+    """AdamW that records the ``foreach`` flag and the tensor shapes of every instance made."""
+
+    made: list[tuple[bool | None, list[tuple[int, ...]]]] = []
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 1e-2, foreach: bool | None = None):
+        params = list(params)
+        _Recording.made.append((foreach, [tuple(p.shape) for p in params]))
+        super().__init__(params, lr=lr, weight_decay=weight_decay, foreach=foreach)
+
+
+def test_the_probe_steps_both_paths_on_tensors_shaped_like_the_parameters(monkeypatch) -> None:
+    """Which path is faster is this machine's answer (benchmarks/optimizer_probe.py prints it); what the
+    probe must do is step the optimizer's own class on zero tensors shaped like the parameters, once per
+    path, and leave the optimizer and its parameters alone."""
     params = [torch.nn.Parameter(torch.randn(16, 16)) for _ in range(200)]
     before = [p.detach().clone() for p in params]
-    optimizer = torch.optim.AdamW(params, foreach=False)
+    optimizer = _Recording(params, foreach=False)
+    _Recording.made.clear()
+    ticks = iter(range(10**6))  # a clock that advances one second per reading: every step "takes" 1 s
+    monkeypatch.setattr(optimizer_facts.time, "perf_counter", lambda: float(next(ticks)))
     probe = foreach_probe(optimizer)
-    assert probe is not None and 0.0 < probe["foreach_s"] < probe["for_loop_s"]
+    assert probe == {"for_loop_s": 1.0, "foreach_s": 1.0}
+    assert [flag for flag, _ in _Recording.made] == [False, True]
+    assert all(shapes == [(16, 16)] * 200 for _, shapes in _Recording.made)
     assert all(torch.equal(p, b) for p, b in zip(params, before)) and not optimizer.state
+
+
+def test_a_large_model_is_probed_on_every_kth_tensor_and_scaled(monkeypatch) -> None:
+    params = [torch.nn.Parameter(torch.zeros(16, 16)) for _ in range(200)]
+    optimizer = _Recording(params, foreach=False)
+    _Recording.made.clear()
+    monkeypatch.setattr(optimizer_facts, "_PROBE_ELEMENTS", 50 * 16 * 16)  # stride 4: 50 tensors stepped
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(optimizer_facts.time, "perf_counter", lambda: float(next(ticks)))
+    probe = foreach_probe(optimizer)
+    assert [len(shapes) for _, shapes in _Recording.made] == [50, 50]
+    assert probe == {"for_loop_s": 4.0, "foreach_s": 4.0}  # 1 s each, times 200 / 50
 
 
 def test_no_fraction_without_a_foreach_path_or_parameters() -> None:
