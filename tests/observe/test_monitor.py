@@ -130,7 +130,7 @@ def test_docstring_examples_run(module: Any) -> None:
         ({"stall_threshold": 1.5}, r"in \(0, 1\)"),
         ({"rank": 2, "world_size": 2}, "world_size=2"),
         ({"device": "gpu7"}, "torch device"),
-        ({"precision": "64-true"}, "known precision"),
+        ({"precision": "8-true"}, "known precision"),
         ({"flops_per_step": -1.0}, "flops_per_step"),
     ],
 )

@@ -54,6 +54,7 @@ from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.frontdoors.guard.args import check_device_and_catalog, check_log_dir, torch_device_of
 from resource_guard.frontdoors.guard.batches import MicroBatches, expect_steps, to_device
 from resource_guard.frontdoors.guard.evaluation import EvalMode, preflight_eval
+from resource_guard.frontdoors.guard.observed import LoopWatch
 from resource_guard.frontdoors.guard.setup import (
     flops_per_sample,
     make_plan,
@@ -184,10 +185,13 @@ class Guard:
         self._clock: PhaseClock | None = None  # the monitor's phase clock, once it runs
         self._current_micro = 0  # size of the micro-batch being processed
         self._started = 0.0
+        self._watch: LoopWatch | None = None  # the hooks of an unchanged loop (no g.iterate)
 
     @property
     def optimizer_steps(self) -> int:
-        """Optimizer steps taken (skipped GradScaler steps included)."""
+        """Optimizer steps taken (skipped GradScaler steps included); of an unchanged loop: its own."""
+        if self._watch is not None:
+            return self._watch.steps
         return self._stepper.optimizer_steps if self._stepper is not None else 0
 
     # ------------------------------------------------------------------------------------------------
@@ -202,6 +206,9 @@ class Guard:
             check_log_dir(self._log_dir)
         if self._sample_batch is not None:
             self._setup(self._sample_batch)
+        else:  # until the loop calls g.iterate: watch it as it is (frontdoors/guard/observed.py)
+            self._watch = LoopWatch(self.model, self.optimizers, self._setup_observed)
+            self._watch.install()
         return self
 
     def __exit__(
@@ -254,6 +261,36 @@ class Guard:
             for check in self._evals.checks:  # pre-flighted with the plan: into the report too
                 self._call_monitor("note", check.line())
 
+    def _setup_observed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The unchanged loop's first training forward, before it runs: its step pre-flighted as the loop
+        runs it (``DoesNotFitError`` stops it), then the monitor. Nothing is moved or changed."""
+        from resource_guard.frontdoors.guard.observed import forward_batch, plan_as_run
+
+        watch = self._watch
+        assert watch is not None
+        self.plan, self.device, loss = plan_as_run(
+            self.model, self.optimizers, args, kwargs, self.loss_fn, self._plan_kwargs
+        )
+        self._target = self.plan.target_batch_size
+        self.plan = self._with_reasons(
+            "unchanged loop: observed through hooks; nothing applied (the loop's device, precision and "
+            "batch run as written); to let the guard apply a plan, loop with `g.iterate` and `g.backward`"
+        )
+        if self._monitor_on:
+            batch = forward_batch(args, kwargs)
+            per_sample = flops_per_sample(self.model, batch, loss, self.optimizers)
+            self._monitor = start_monitor(
+                self._log_dir,
+                self.plan,
+                self.device,
+                profile=self._profile,
+                memory_history=self._history,
+                shapes=None,
+                optimizers=self.optimizers,
+            )
+            self._clock = self._monitor.phases if self._monitor is not None else None
+            watch.monitor, watch.clock, watch.flops_per_sample = self._monitor, self._clock, per_sample
+
     def _start_shape_guard(self, batch: Any, loss_fn: LossFn, loader: Any) -> None:
         from resource_guard.frontdoors.shape_guard import start_shape_guard
 
@@ -288,6 +325,14 @@ class Guard:
         """
         if not self._entered:
             raise ConfigurationError("call `g.iterate(...)` inside `with guard(...) as g:`.")
+        watch, self._watch = self._watch, None
+        if watch is not None:  # the loop drives the guard: the hooks go
+            watch.remove()
+            if watch.planned:
+                raise ConfigurationError(
+                    "the model ran a training forward inside `with guard(...)` before `g.iterate(...)`: "
+                    "either loop with `g.iterate` from the first batch, or leave the loop unchanged."
+                )
         non_blocking = bool(getattr(loader, "pin_memory", False))
         expect_steps(self._monitor, loader)
         batches = iter(loader)
@@ -446,6 +491,12 @@ class Guard:
 
     def _teardown(self, exc: BaseException | None) -> None:
         self._eval_mode.restore()  # an evaluation left by an exception: train and grad mode back
+        watch = self._watch
+        if watch is not None:
+            watch.remove()
+            self.micro_steps = watch.forwards
+            if watch.planned:
+                self._call_monitor("note", watch.line())
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             try:
@@ -463,7 +514,7 @@ class Guard:
 
     def summary(self, exc: BaseException | None = None) -> dict[str, Any]:
         """What was planned and what was measured (peak memory where the device reports it)."""
-        return run_summary(
+        out = run_summary(
             self.plan,
             self.device,
             optimizer_steps=self.optimizer_steps,
@@ -472,6 +523,9 @@ class Guard:
             exc=exc,
             shapes=self._shapes,
         )
+        if self._watch is not None:
+            out["observed"] = self._watch.facts()
+        return out
 
 
 def guard(

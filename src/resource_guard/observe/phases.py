@@ -66,6 +66,14 @@ class PhaseClock:
         self._mark, self._current = now, phase
         return previous
 
+    def switch_at(self, phase: str, when: float) -> str:
+        """:meth:`switch` as of ``when`` (a time stamp taken earlier, not before the last switch)."""
+        previous = self._current
+        self._totals[previous] += when - self._mark
+        self._totals[phase] += 0.0
+        self._mark, self._current = when, phase
+        return previous
+
     def charge(self, now: float) -> None:
         """Charge the time up to ``now`` to the running phase (it keeps running)."""
         self._totals[self._current] += now - self._mark

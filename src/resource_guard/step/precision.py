@@ -40,9 +40,18 @@ PRECISIONS: dict[str, PrecisionSpec] = {
     "bf16-mixed": PrecisionSpec("bf16-mixed", torch.float32, torch.bfloat16, False),
     "16-true": PrecisionSpec("16-true", torch.float16, None, False),
     "bf16-true": PrecisionSpec("bf16-true", torch.bfloat16, None, False),
+    "64-true": PrecisionSpec("64-true", torch.float64, None, False),  # a float64 model (scientific loops)
 }
 
-_ALIASES = {"32": "32-true", 32: "32-true", "16": "16-mixed", 16: "16-mixed", "bf16": "bf16-mixed"}
+_ALIASES = {
+    "64": "64-true",
+    64: "64-true",
+    "32": "32-true",
+    32: "32-true",
+    "16": "16-mixed",
+    16: "16-mixed",
+    "bf16": "bf16-mixed",
+}
 
 
 def parse_precision(precision: str | int | PrecisionSpec) -> PrecisionSpec:

@@ -1,0 +1,416 @@
+"""The guard around an unchanged loop: ``with guard(model, optimizer):`` and no other line changed.
+
+When the loop never calls ``g.iterate``, the guard watches it through public hooks only:
+
+- the model's forward pre-hook (``register_forward_pre_hook(with_kwargs=True)``) sees each forward's
+  inputs before it runs: the first training forward is pre-flighted on those inputs (the step traced as
+  the loop runs it, see :class:`LoopLoss`), and :class:`~resource_guard.errors.DoesNotFitError` is
+  raised from the hook, before that forward runs, when it does not fit; every training forward counts
+  (its samples and tokens too) and starts the forward phase; a forward in eval mode or under
+  ``no_grad`` starts the evaluation phase and is not counted;
+- the forward post-hook hooks the output (the loss when the model returns one) with a tensor hook
+  that fires when backward reaches it: the backward phase starts there; each trainable parameter's
+  post-accumulate-grad hook stamps the time, so the backward phase ends at the last gradient
+  accumulated and the time after it is the loop's own (host) code;
+- each optimizer's step pre- and post-hooks (``register_step_pre_hook`` / ``register_step_post_hook``)
+  time the optimizer phase; a step ends when every optimizer has stepped once (one optimizer: each
+  step). Forwards inside a step (an LBFGS closure) are counted as closure evaluations and timed as
+  part of the optimizer phase. The time from a step's end to the next training forward is the loop's
+  data and host time between steps, charged to ``data_wait``.
+
+Nothing is applied: the model is not moved, the precision not changed, the batch not split; the plan
+is advice (its micro-batch and accumulation say what ``g.iterate``/``g.backward`` would run). A failure
+inside a hook never stops the loop: the hook warns once and the watch goes quiet.
+
+Example:
+    >>> model = torch.nn.Linear(4, 1)
+    >>> loop_precision(model, "cpu")
+    '32-true'
+    >>> loop_precision(model.double(), "cpu")
+    '64-true'
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from resource_guard.errors import DoesNotFitError, ResourceGuardWarning
+from resource_guard.step.training import (
+    StandInLoss,
+    _as_loss,
+    _standin_of,
+    _standin_tensors,
+    batch_size_of,
+    iter_tensors,
+)
+
+__all__ = ["LoopLoss", "LoopWatch", "forward_batch", "loop_precision"]
+
+_clock = time.perf_counter
+_TRUE = {torch.float64: "64-true", torch.bfloat16: "bf16-true", torch.float16: "16-true"}
+
+
+def loop_precision(model: nn.Module, device_type: str) -> str:
+    """The precision the loop runs in now: its autocast, else its parameters' dtype (fp32: ``32-true``)."""
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return "bf16-mixed" if dtype == torch.bfloat16 else "16-mixed"
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return _TRUE.get(dtype, "32-true")
+
+
+def forward_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """A forward's inputs as a batch the estimate calls the model with the same way.
+
+    Positional only: the tuple (``model(*batch)``); keywords only: the dict (``model(**batch)``); both:
+    ``(args, kwargs)``, which :class:`LoopLoss` unpacks.
+    """
+    if not kwargs:
+        return tuple(args)
+    if not args:
+        return dict(kwargs)
+    return (tuple(args), dict(kwargs))
+
+
+class LoopLoss(StandInLoss):
+    """The loss of the step as the loop runs it, from the inputs of its first forward.
+
+    Calls the model exactly as the loop called it. The loss is the one the model returns (a scalar, a
+    scalar in a returned tuple such as nanoGPT's ``(logits, loss)``, ``output.loss`` /
+    ``output["loss"]``); else ``loss_fn(model, inputs)`` when the guard was given one (``inputs``: the
+    forward's positional arguments as a tuple, or its keyword arguments as a dict); else the stand-in
+    over the outputs (:class:`~resource_guard.step.training.StandInLoss`, stated in the plan).
+    """
+
+    def __init__(self, both: bool, loss_fn: Callable[[nn.Module, Any], Any] | None = None) -> None:
+        super().__init__()
+        self.both, self.loss_fn = both, loss_fn
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if self.loss_fn is not None:
+            own = _returned_loss(model(*batch[0], **batch[1]) if self.both else _call(model, batch))
+            return own if own is not None else _as_loss(self.loss_fn(model, batch))
+        output = model(*batch[0], **batch[1]) if self.both else _call(model, batch)
+        own = _returned_loss(output)
+        if own is not None:
+            return own
+        tensors = _standin_tensors(output)
+        if not tensors:
+            return _as_loss(output)
+        self.used = True
+        total = _standin_of(tensors[0])
+        for tensor in tensors[1:]:
+            total = total + _standin_of(tensor)
+        return total
+
+    def __repr__(self) -> str:
+        return "LoopLoss()"
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    return model(**batch) if isinstance(batch, dict) else model(*batch)
+
+
+def _returned_loss(output: Any) -> torch.Tensor | None:
+    """The model's own loss as a 0-d tensor (see :func:`_loss_tensor`)."""
+    loss = _loss_tensor(output)
+    return None if loss is None else loss.reshape(())
+
+
+def _loss_tensor(output: Any) -> torch.Tensor | None:
+    """The loss tensor the model returns, itself (not a view): a one-element output, the one float
+    one-element tensor of a returned tuple (nanoGPT's ``(logits, loss)``), ``output.loss`` or
+    ``output["loss"]``; else ``None``."""
+    if isinstance(output, torch.Tensor):
+        return output if output.numel() == 1 else None
+    if isinstance(output, (tuple, list)) and not hasattr(output, "_fields"):
+        scalars = [
+            t for t in output if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
+        ]
+        return scalars[0] if len(scalars) == 1 else None
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+class _Hook:
+    """A hook shared, not copied, by ``copy.deepcopy(model)`` (the estimate copies the model)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        return self
+
+
+class LoopWatch:
+    """The hooks of an unchanged loop and what they count; see the module docstring.
+
+    Args:
+        model: the guarded model.
+        optimizers: the guard's optimizers.
+        first_forward: called with the first training forward's ``(args, kwargs)`` before it runs (the
+            pre-flight); a :class:`~resource_guard.errors.DoesNotFitError` it raises stops the loop.
+
+    The guard sets :attr:`monitor` (its ``batch_ready``/``step_end`` are called) and :attr:`clock` (the
+    monitor's phase clock) once the run is planned.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: tuple[torch.optim.Optimizer, ...],
+        first_forward: Callable[[tuple[Any, ...], dict[str, Any]], None],
+    ) -> None:
+        self.model, self.optimizers, self._first_forward = model, optimizers, first_forward
+        self.monitor: Any = None
+        self.clock: Any = None
+        self.flops_per_sample: float | None = None  # for MFU, once a step's samples are known
+        self.forwards = 0  # training forwards outside optimizer steps
+        self.closure_forwards = 0  # training forwards inside an optimizer step (LBFGS's closure)
+        self.eval_forwards = 0
+        self.steps = 0  # optimizer steps of the loop (every optimizer stepped once)
+        self.forwards_per_step: dict[int, int] = {}  # accumulation found: forwards a step -> steps
+        self.samples_per_step: int | None = None  # samples of the first complete step
+        self.planned = False
+        self.broken = False
+        self._inside = False  # our own pre-flight runs the (copied) model: not the loop's
+        self._in_step = 0  # optimizer steps running (a closure's forwards run inside)
+        self._step_forwards = 0
+        self._step_samples = 0
+        self._stepped: set[int] = set()
+        self._last_grad = 0.0
+        self._handles: list[Any] = []
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def install(self) -> None:
+        model = self.model
+        self._handles = [
+            model.register_forward_pre_hook(_Hook(self._before_forward), with_kwargs=True),
+            model.register_forward_hook(_Hook(self._after_forward)),
+        ]
+        for optimizer in self.optimizers:
+            self._handles.append(optimizer.register_step_pre_hook(_Hook(self._before_step)))
+            self._handles.append(optimizer.register_step_post_hook(_Hook(self._after_step)))
+        stamp = _Hook(self._grad_accumulated)
+        seen: set[int] = set()
+        for p in model.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self._handles.append(p.register_post_accumulate_grad_hook(stamp))
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def _fail(self, error: BaseException) -> None:
+        """A failure of ours: one warning, then every hook returns at once."""
+        self.broken = True
+        warnings.warn(
+            f"resource_guard: watching the loop stopped: {error!r}; training goes on unobserved",
+            ResourceGuardWarning,
+            stacklevel=3,
+        )
+
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.broken or self._inside or module is not self.model:
+            return
+        try:
+            training = module.training and torch.is_grad_enabled()
+            if not training:
+                self.eval_forwards += 1
+                if self.clock is not None and not self._in_step:
+                    self.clock.switch("evaluation")
+                return
+            if not self.planned:
+                self.planned = True
+                self._inside = True
+                try:
+                    self._first_forward(args, kwargs)
+                finally:
+                    self._inside = False
+            if self._in_step:
+                self.closure_forwards += 1
+                return
+            self.forwards += 1
+            self._step_forwards += 1
+            if self.clock is not None:
+                self._end_backward()  # an accumulating loop: the previous micro-batch's backward
+                self.clock.switch("forward")
+            if self.monitor is not None:
+                batch = forward_batch(args, kwargs)
+                self._step_samples += batch_size_of(batch) or 0
+                self.monitor.batch_ready(batch)
+        except DoesNotFitError:
+            raise  # the pre-flight's verdict: stop before this forward runs
+        except Exception as error:
+            self._fail(error)
+
+    def _after_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self.broken or self._inside or self._in_step or module is not self.model:
+            return
+        try:
+            if not (module.training and torch.is_grad_enabled()) or self.clock is None:
+                return
+            self.clock.switch("host")  # the loop's loss and own code, until backward reaches the output
+            tensors = [t for t in iter_tensors(output) if t.requires_grad]
+            first = _loss_tensor(output)
+            target = first if first is not None and first.requires_grad else next(iter(tensors), None)
+            if target is not None:
+                target.register_hook(_Hook(self._backward_reached))
+        except Exception as error:
+            self._fail(error)
+
+    def _backward_reached(self, grad: torch.Tensor) -> None:
+        if self.broken or self._in_step or self.clock is None:
+            return
+        try:
+            self.clock.switch("backward")
+            self._last_grad = 0.0
+        except Exception as error:
+            self._fail(error)
+
+    def _grad_accumulated(self, param: torch.Tensor) -> None:
+        if not self._inside:
+            self._last_grad = _clock()
+
+    def _end_backward(self) -> None:
+        """The backward phase ends at the last gradient accumulated; the rest was the loop's own code."""
+        clock = self.clock
+        if clock is not None and clock.current == "backward" and self._last_grad:
+            clock.switch_at("host", self._last_grad)
+        self._last_grad = 0.0
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.broken or self._inside:
+            return
+        try:
+            if not self._in_step:
+                self._end_backward()
+                if self.clock is not None:
+                    self.clock.switch("optimizer")
+            self._in_step += 1
+        except Exception as error:
+            self._fail(error)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.broken or self._inside:
+            return
+        try:
+            self._in_step = max(0, self._in_step - 1)
+            self._stepped.add(id(optimizer))
+            if self._in_step or len(self._stepped) < len(self.optimizers):
+                return
+            self._stepped.clear()
+            self.steps += 1
+            forwards, self._step_forwards = self._step_forwards, 0
+            self.forwards_per_step[forwards] = self.forwards_per_step.get(forwards, 0) + 1
+            if self.samples_per_step is None and self._step_samples:
+                self.samples_per_step = self._step_samples
+                if self.monitor is not None and self.flops_per_sample:
+                    self.monitor.flops_per_step = self.flops_per_sample * self._step_samples
+            self._step_samples = 0
+            if self.clock is not None:
+                self.clock.switch("data_wait")  # until the next forward: the loader and the loop's code
+            if self.monitor is not None:
+                self.monitor.step_end()
+        except Exception as error:
+            self._fail(error)
+
+    # -- what was seen -----------------------------------------------------------------------------
+    @property
+    def accumulation(self) -> int | None:
+        """Forwards per optimizer step, the commonest count (the loop's own accumulation)."""
+        if not self.forwards_per_step:
+            return None
+        found = max(self.forwards_per_step.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        return found or None  # 0: the forwards run inside the step (a closure)
+
+    def line(self) -> str:
+        """The report's note of what the hooks counted."""
+        accumulation = self.accumulation
+        words = (
+            f"unchanged loop observed through hooks: {self.steps} optimizer step(s), {self.forwards} "
+            f"training forward(s)"
+        )
+        if accumulation is not None:
+            words += f"; the loop accumulates {accumulation} forward(s) a step"
+            if self.samples_per_step:
+                words += f" ({self.samples_per_step} samples a step)"
+        if self.closure_forwards:
+            words += f"; {self.closure_forwards} forward(s) inside optimizer steps (closure evaluations)"
+        return words + "; the time between a step and the next forward is counted as data wait (data + host)"
+
+    def facts(self) -> dict[str, Any]:
+        """What the hooks counted, JSON-ready (``guard.json``'s ``observed``)."""
+        return {
+            "mode": "hooks (unchanged loop)",
+            "optimizer_steps": self.steps,
+            "forwards": self.forwards,
+            "accumulation": self.accumulation,
+            "forwards_per_step": {str(k): v for k, v in sorted(self.forwards_per_step.items())},
+            "closure_forwards": self.closure_forwards,
+            "eval_forwards": self.eval_forwards,
+            "samples_per_step": self.samples_per_step,
+            "watch_failed": self.broken,
+        }
+
+
+def plan_as_run(
+    model: nn.Module,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    loss_fn: Callable[[nn.Module, Any], Any] | None,
+    plan_kwargs: Mapping[str, Any],
+) -> tuple[Any, torch.device, LoopLoss]:
+    """The plan of the step the loop is about to run: the first forward's inputs, the loop's precision
+    and device, no checkpointing. Returns ``(plan, torch device, loss)``.
+
+    Raises:
+        DoesNotFitError: that step does not fit (the plan's micro-batch, the largest that fits, is in
+            the message and the error's ``report``).
+        ConfigurationError: the inputs' batch size cannot be told.
+    """
+    from resource_guard.errors import ConfigurationError
+    from resource_guard.frontdoors.guard.setup import make_plan
+
+    batch = forward_batch(args, kwargs)
+    rows = batch_size_of(batch)
+    if rows is None:
+        raise ConfigurationError(
+            "cannot tell the batch size of the first forward's inputs (their tensors do not share dim 0); "
+            "pass `guard(..., sample_batch=...)` with one batch and loop with `g.iterate`."
+        )
+    own = next((p.device for p in model.parameters()), torch.device("cpu"))
+    kw = dict(plan_kwargs)
+    if kw.get("device", "auto") == "auto":
+        kw["device"] = str(own)
+    kw["precision"] = loop_precision(model, own.type)
+    kw["checkpointing"] = False  # the loop runs without it; the plan says what would change
+    loss = LoopLoss(bool(args) and bool(kwargs), loss_fn)
+    with torch.autocast(own.type, enabled=False):  # the trace applies the loop's precision itself
+        made, device = make_plan(model, optimizers, batch, loss, rows, kw)
+    if made.micro_batch_size < rows:
+        fit = made.fit
+        raise DoesNotFitError(
+            f"the loop's first forward, a batch of {rows} in {made.precision}, is predicted not to fit "
+            f"{made.device.name} ({fit.usable_bytes / 2**20:,.1f} MiB usable); the largest batch that "
+            f"fits is {made.micro_batch_size}. Lower the batch size, or let the guard split it: loop "
+            "`for batch in g.iterate(loader):` and call `g.backward(loss)` (micro-batches of "
+            f"{made.micro_batch_size} × {made.accumulation_steps} accumulation keep the batch of "
+            f"{rows}).\n\n{made.summary()}",
+            made,
+        )
+    return made, device, loss

@@ -1,0 +1,205 @@
+"""The guard around an unchanged loop: ``with guard(model, optimizer):`` and no other line changed
+(:mod:`resource_guard.frontdoors.guard.observed`). Real CPU loops of tiny models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from resource_guard import DoesNotFitError, guard
+from resource_guard.errors import ResourceGuardWarning
+
+VOCAB, WIDTH, SEQ = 64, 32, 16
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT's interface: ``logits, loss = model(idx, targets)``; dropout draws from the global RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Dropout(0.1))
+        self.proj = nn.Linear(4 * WIDTH, WIDTH)
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.calls = 0
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        self.calls += 1
+        x = self.wte(idx)
+        logits = self.lm_head(x + self.proj(self.mlp(x)))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.view(-1, VOCAB), targets.reshape(-1))
+
+
+def get_batch(g: torch.Generator, batch_size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def nanogpt_loop(
+    model: TinyGPT, optimizer: torch.optim.Optimizer, steps: int, accumulation: int
+) -> list[float]:
+    """nanoGPT's train.py, in small: its own gradient accumulation, the next batch fetched mid-step."""
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    X, Y = get_batch(g)
+    for _ in range(steps):
+        for _ in range(accumulation):
+            logits, loss = model(X, Y)
+            loss = loss / accumulation
+            X, Y = get_batch(g)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item() * accumulation)
+    return losses
+
+
+def fresh() -> tuple[TinyGPT, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_unchanged_loop_is_planned_timed_and_reported(tmp_path: Path) -> None:
+    model, optimizer = fresh()
+    with guard(model, optimizer, log_dir=tmp_path, profile=False) as g:
+        nanogpt_loop(model, optimizer, steps=5, accumulation=3)
+    assert g.optimizer_steps == 5 and g.micro_steps == 15
+    assert g.plan is not None and g.plan.precision == "32-true" and g.plan.micro_batch_size == 4
+    summary = json.loads((tmp_path / "guard.json").read_text())
+    observed = summary["observed"]
+    assert (observed["optimizer_steps"], observed["forwards"], observed["accumulation"]) == (5, 15, 3)
+    assert observed["samples_per_step"] == 12 and observed["watch_failed"] is False
+    report = json.loads((tmp_path / "report.json").read_text())["summary"]
+    assert report["steps"] == 5
+    assert any("accumulates 3 forward(s) a step" in note for note in report["notes"])
+    phases = report["phases"]
+    assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
+    assert list(tmp_path.glob("events.out.tfevents.*")) and (tmp_path / "report.md").exists()
+
+
+def test_the_loss_trajectory_is_the_unguarded_loops_bit_for_bit(tmp_path: Path) -> None:
+    model, optimizer = fresh()
+    torch.manual_seed(5)
+    alone = nanogpt_loop(model, optimizer, steps=4, accumulation=2)
+    model, optimizer = fresh()
+    torch.manual_seed(5)
+    with guard(model, optimizer, log_dir=tmp_path, profile=False):
+        guarded = nanogpt_loop(model, optimizer, steps=4, accumulation=2)
+    assert guarded == alone
+    assert next(model.parameters()).dtype == torch.float32  # nothing changed the loop's precision
+
+
+def test_a_first_forward_that_does_not_fit_stops_before_it_runs() -> None:
+    model, optimizer = fresh()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DoesNotFitError, match="first forward, a batch of 4") as caught:
+        with guard(model, optimizer, memory_limit="300KiB", monitor=False):
+            nanogpt_loop(model, optimizer, steps=2, accumulation=1)
+    assert model.calls == 0  # the forward never ran
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert caught.value.report is not None and caught.value.report.micro_batch_size < 4
+
+
+def test_the_pre_flight_traces_the_loop_as_it_runs() -> None:
+    """A model that returns ``(logits, loss)`` is traced with its own loss, not a stand-in."""
+    model, optimizer = fresh()
+    with guard(model, optimizer, monitor=False) as g:
+        nanogpt_loop(model, optimizer, steps=1, accumulation=1)
+    assert g.plan is not None
+    assert not any("stand-in" in line for line in g.plan.reasons)
+    assert any("unchanged loop" in line for line in g.plan.reasons)
+
+
+def classifier_loop(
+    model: nn.Module, optimizer: torch.optim.Optimizer, epochs: int, batches: int
+) -> list[float]:
+    """pytorch/examples' mnist shape: ``output = model(data); loss = F.nll_loss(output, target)`` and an
+    evaluation pass under ``no_grad`` each epoch."""
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 20, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(batches)]
+    tests = []
+    for _ in range(epochs):
+        model.train()
+        for x, y in data:
+            optimizer.zero_grad()
+            output = model(x)
+            loss = F.nll_loss(F.log_softmax(output, dim=1), y)
+            loss.backward()
+            optimizer.step()
+        model.eval()
+        with torch.no_grad():
+            tests.append(sum(F.cross_entropy(model(x), y).item() for x, y in data))
+    return tests
+
+
+def classifier() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_evaluation_forwards_are_not_training_steps(tmp_path: Path) -> None:
+    model, optimizer = classifier()
+    alone = classifier_loop(model, optimizer, epochs=2, batches=3)
+    model, optimizer = classifier()
+    with guard(model, optimizer, log_dir=tmp_path, profile=False) as g:
+        guarded = classifier_loop(model, optimizer, epochs=2, batches=3)
+    assert guarded == alone
+    observed = json.loads((tmp_path / "guard.json").read_text())["observed"]
+    assert (observed["optimizer_steps"], observed["forwards"], observed["eval_forwards"]) == (6, 6, 6)
+    assert observed["accumulation"] == 1
+    assert g.plan is not None and any("stand-in" in line for line in g.plan.reasons)  # logits only
+    phases = json.loads((tmp_path / "report.json").read_text())["summary"]["phases"]
+    assert phases["evaluation"] > 0
+
+
+def test_a_closure_optimizer_counts_its_steps_and_closure_evaluations(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    x, y = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with guard(model, optimizer, log_dir=tmp_path, profile=False) as g, pytest.warns(ResourceGuardWarning):
+        for _ in range(3):  # the estimate of an LBFGS step falls back (closure): warned, the run goes on
+            optimizer.step(closure)
+    observed = json.loads((tmp_path / "guard.json").read_text())["observed"]
+    assert observed["optimizer_steps"] == 3 and observed["forwards"] == 0 and observed["accumulation"] is None
+    assert observed["closure_forwards"] >= 3
+    assert g.plan is not None and g.plan.precision == "64-true"
+
+
+def test_a_failing_hook_warns_once_and_training_goes_on(tmp_path: Path) -> None:
+    class Broken:
+        current = "other"
+
+        def switch(self, phase: str) -> str:
+            raise RuntimeError("the clock broke")
+
+    model, optimizer = fresh()
+    torch.manual_seed(5)
+    alone = nanogpt_loop(model, optimizer, steps=3, accumulation=2)
+    model, optimizer = fresh()
+    torch.manual_seed(5)
+    with guard(model, optimizer, log_dir=tmp_path, profile=False) as g:
+        model.register_forward_pre_hook(lambda *a: setattr(g._watch, "clock", Broken()))
+        with pytest.warns(ResourceGuardWarning, match="watching the loop stopped") as caught:
+            guarded = nanogpt_loop(model, optimizer, steps=3, accumulation=2)
+    assert guarded == alone
+    assert len([w for w in caught if "watching the loop" in str(w.message)]) == 1
+    assert json.loads((tmp_path / "guard.json").read_text())["observed"]["watch_failed"] is True
