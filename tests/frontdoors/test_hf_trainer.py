@@ -419,12 +419,12 @@ def test_the_micro_steps_model_flops_are_counted_for_mfu_without_the_recomputed_
 @pytest.mark.slow
 def test_auto_find_batch_size_comes_down_to_the_batch_that_fits_without_running_a_step(tmp_path, monkeypatch):
     """accelerate's loop lowers the batch after each out-of-memory error (by 10% or by half, as its
-    version does); the callback raises a predicted one before any step, so the loop comes down from 16
+    version does); the callback raises a predicted one before any step, so the loop comes down from 8
     to 4, the largest that fits, and the run trains at 4 without a real step above it."""
     from resource_guard.errors import PredictedOutOfMemoryError
 
     data = lm_rows(64, 16)
-    args = targs(tmp_path, per_device_train_batch_size=16, auto_find_batch_size=True)
+    args = targs(tmp_path, per_device_train_batch_size=8, auto_find_batch_size=True)
     cap = int((fp32_peak(tmp_path, 4, data) + fp32_peak(tmp_path, 5, data)) / 2 / 0.9)
     refused, rows = [], []
     trainer_loop = hf_trainer.ResourceGuardCallback._preflight
@@ -447,8 +447,8 @@ def test_auto_find_batch_size_comes_down_to_the_batch_that_fits_without_running_
     trainer.train()
     assert trainer.state.train_batch_size == 4 and guard.plan is not None and guard.plan.micro_batch_size == 4
     assert set(rows) == {4} and trainer.state.global_step == 3  # no real step above 4
-    assert refused[0][0] == 16 and all(n > 4 for n, _ in refused)
-    assert " out of memory." in refused[0][1] and "Per-device batch 16 needs" in refused[0][1]
+    assert refused[0][0] == 8 and all(n > 4 for n, _ in refused)
+    assert " out of memory." in refused[0][1] and "Per-device batch 8 needs" in refused[0][1]
     assert issubclass(PredictedOutOfMemoryError, RuntimeError)  # what accelerate's loop catches
 
 
