@@ -1,22 +1,22 @@
-"""Stress check: the fault and monitor tests, N times in a row, under artificial CPU load.
+"""Stress check: the whole suite (or the fault and monitor tests, N times in a row) under artificial CPU load.
 
 The suite must not depend on the machine's speed (issue #17): tests that wait on background threads
 (TensorBoard's writer, the sampler) wait for the event they need, never for the clock. This script starts
 ``--load`` busy processes (``while True: pass``, default two: a 2-core machine fully booked besides the
 tests) and then either
 
-- runs the chosen tests ``--runs`` times in one pytest process (default: ``tests/test_faults.py`` and
-  ``tests/observe/test_monitor.py`` without the slow-marked ones, 50 times): every test is parametrized
-  with an iteration number, each iteration runs the whole set once in its own shuffled order (seeded);
-  a run counts as passed when all of its tests pass; or
-- with ``--suite``, runs ``python -m pytest -q -x`` (the whole suite, random order, seed = run number)
-  ``--runs`` times as separate processes (default 5).
+- by default, runs ``python -m pytest -q`` (the whole suite, the README's command, random order, seed =
+  run number) ``--runs`` times as separate processes (default 1), every failure listed; or
+- with ``--faults``, runs the chosen tests ``--runs`` times in one pytest process (default:
+  ``tests/test_faults.py`` and ``tests/observe/test_monitor.py`` without the slow-marked ones, 50
+  times): every test is parametrized with an iteration number, each iteration runs the whole set once
+  in its own shuffled order (seeded); a run counts as passed when all of its tests pass.
 
 It prints a table (runs, passed, failed, seconds per run) and which tests failed in which runs, and exits
 0 (a report, not a test). The busy processes are killed at the end, also on Ctrl-C.
 
-Run:  nice -n 5 python benchmarks/stress_suite.py [--runs 50] [--load 2] [--only PYTEST_ARGS...]
-      nice -n 5 python benchmarks/stress_suite.py --suite [--runs 5]
+Run:  nice -n 5 python benchmarks/stress_suite.py [--runs 1] [--load 2] [--only PYTEST_ARGS...]
+      nice -n 5 python benchmarks/stress_suite.py --faults [--runs 50]
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def repeat_suite(args: argparse.Namespace) -> list[tuple[int, bool, float, list[
         if stop_at is not None and time.perf_counter() > stop_at:
             break
         seed = args.seed + run
-        command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args.only]
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.only]
         if _has_randomly():
             command += ["-p", "randomly", f"--randomly-seed={seed}"]
         start = time.perf_counter()
@@ -144,20 +144,20 @@ def _has_randomly() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=None, help="runs (default 50; 5 with --suite)")
+    parser.add_argument("--runs", type=int, default=None, help="runs (default 1; 50 with --faults)")
     parser.add_argument("--load", type=int, default=2, help="busy processes (default 2)")
     parser.add_argument("--seed", type=int, default=1, help="first shuffling / random-order seed")
-    parser.add_argument("--suite", action="store_true", help="the whole suite, -x, one process per run")
+    parser.add_argument("--faults", action="store_true", help="the fault and monitor tests, one process")
     parser.add_argument("--minutes", type=float, default=None, help="start no run after this many minutes")
     parser.add_argument("--only", nargs=argparse.REMAINDER, default=None, help="pytest arguments (last)")
     args = parser.parse_args(argv)
-    args.runs = args.runs or (5 if args.suite else 50)
-    args.only = args.only if args.only is not None else ([] if args.suite else DEFAULT_TESTS)
-    what = "the whole suite" if args.suite else " ".join(args.only)
+    args.runs = args.runs or (50 if args.faults else 1)
+    args.only = args.only if args.only is not None else (DEFAULT_TESTS if args.faults else [])
+    what = " ".join(args.only) if args.faults or args.only else "the whole suite"
     print(f"{what}: up to {args.runs} runs under {args.load} busy processes", flush=True)
     start = time.perf_counter()
     with busy_processes(args.load):
-        rows = (repeat_suite if args.suite else repeat_tests)(args)
+        rows = (repeat_tests if args.faults else repeat_suite)(args)
     wall = time.perf_counter() - start
     passed = sum(ok for _, ok, _, _ in rows)
     seconds = [s for _, _, s, _ in rows]
