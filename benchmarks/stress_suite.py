@@ -130,6 +130,9 @@ def repeat_suite(args: argparse.Namespace) -> list[tuple[int, bool, float, list[
             failed = [f"exit {done.returncode}: {done.stdout[-300:]!r}"]
         tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
         print(f"run {run} (seed {seed}): exit {done.returncode} in {seconds:.0f} s: {tail}", flush=True)
+        if args.output is not None:
+            args.output.mkdir(parents=True, exist_ok=True)
+            (args.output / f"run{run}.log").write_text(done.stdout + done.stderr)
         rows.append((run, done.returncode == 0, seconds, failed))
     return rows
 
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="first shuffling / random-order seed")
     parser.add_argument("--faults", action="store_true", help="the fault and monitor tests, one process")
     parser.add_argument("--minutes", type=float, default=None, help="start no run after this many minutes")
+    parser.add_argument("--output", type=Path, default=None, help="write each run's pytest output here")
     parser.add_argument("--only", nargs=argparse.REMAINDER, default=None, help="pytest arguments (last)")
     args = parser.parse_args(argv)
     args.runs = args.runs or (50 if args.faults else 1)
