@@ -105,7 +105,15 @@ class TransformerLM(L.LightningModule):
 
 
 def main(argv: Sequence[str] | None = None) -> ResourceGuard:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description="Train a small transformer language model with Lightning on synthetic tokens, on the "
+        "CPU, with the ResourceGuard callback planning the run: under a memory cap (--memory-limit) too "
+        "small for the whole batch in one step, it keeps the effective batch and picks a smaller "
+        "micro-batch with gradient accumulation. Prints the decisions as 'plan: micro_batch_size=... "
+        "accumulation=... ...'.",
+        epilog="example: python examples/lightning_transformer.py --batch-size 64 --memory-limit 16MiB "
+        "--max-steps 4",
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="the train loader's batch size")
     parser.add_argument("--target-batch-size", type=int, default=None, help="default: the loader's")
     parser.add_argument("--memory-limit", default="16MiB", help="plan under this cap ('none': no cap)")

@@ -27,11 +27,17 @@ def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description="Plain PyTorch with guard: a small GPT-style model on synthetic tokens, on the CPU. "
+        "A memory cap (--memory-limit) stands in for a small GPU: the full batch does not fit under it, "
+        "so the guard plans micro-batches with gradient accumulation that keep the effective batch, and "
+        "says why. The run writes its TensorBoard events, report and plan into --log-dir.",
+        epilog="example: python examples/plain_pytorch.py --steps 4 --log-dir runs/plain",
+    )
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (effective batches)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--memory-limit", default="160MiB")
-    parser.add_argument("--log-dir", default="runs/plain_pytorch")
+    parser.add_argument("--batch-size", type=int, default=32, help="the loader's batch size (default 32)")
+    parser.add_argument("--memory-limit", default="160MiB", help="plan under this cap (default 160MiB)")
+    parser.add_argument("--log-dir", default="runs/plain_pytorch", help="TensorBoard events and report")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)

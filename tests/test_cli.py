@@ -331,6 +331,16 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "--batch-size" in out and "resource_guard.demo:build" in out
 
 
+@pytest.mark.parametrize("command", [[], ["preflight"], ["devices"], ["demo"], ["report"]])
+def test_help_is_plain_text(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` is read in a terminal: no reST markup (double backticks, roles) from the docstrings."""
+    code, out, _ = _run([*command, "--help"], capsys)
+    assert code == 0 and out.startswith(" ".join(["usage: resource-guard", *command]))
+    assert "``" not in out and not re.search(r":(class|func|mod|meth|attr):", out), out
+    description = out.split("\n\n")[1]
+    assert description[0].isupper() and description.rstrip().endswith("."), description
+
+
 # --- devices -----------------------------------------------------------------------------------
 
 

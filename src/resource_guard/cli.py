@@ -323,10 +323,57 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# --help is plain text (argparse prints it as written): no reST markup, unlike the docstrings
+_DESCRIPTION = """\
+Pre-flight a PyTorch training step from the command line (will it fit, and
+what would), list devices, train the bundled demo, print run reports.
+"""
+_EXIT_CODES = """\
+exit codes:
+  0  fits; also "fits tight" (inside the headroom), with a warning line
+     on stderr, unless --strict
+  1  does not fit, grew beyond its memory budget (--budget FILE), or no
+     projected row is within --max-hours/--max-cost
+  2  bad input (a one-paragraph message on stderr)
+"""
+_EPILOG = (
+    _EXIT_CODES
+    + """
+examples:
+  resource-guard preflight examples/gpt_small.py:build --device t4 \\
+      --batch-size 8 --precision 16-mixed
+  resource-guard preflight --train-tokens 1000000000 --gpus 1,8
+  resource-guard demo --steps 12 --log-dir runs/demo
+  resource-guard report runs/demo
+"""
+)
+_PREFLIGHT = """\
+Estimate one training step of TARGET on fake tensors (no GPU, no
+model-sized memory) and say whether it fits the device.
+
+TARGET is path/to/file.py:factory or package.module:factory; the factory
+returns (model, optimizer, batch) or (model, optimizer, batch, loss_fn) and
+takes batch_size when --batch-size is given. With --train-tokens,
+--train-samples or --epochs it also projects time and cost over devices and
+GPU counts.
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="resource-guard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="resource-guard",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    pre = sub.add_parser("preflight", help="estimate one training step and say whether it fits a device")
+    pre = sub.add_parser(
+        "preflight",
+        help="estimate one training step and say whether it fits a device",
+        description=_PREFLIGHT,
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     pre.add_argument(
         "target",
         nargs="?",
@@ -335,9 +382,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     pre.add_argument("--batch-size", type=int, default=None, help="passed to the factory as batch_size")
     pre.add_argument(
-        "--precision", default="32-true", help="32-true, 16-mixed, bf16-mixed, 16-true, bf16-true"
+        "--precision",
+        default="32-true",
+        help="32-true (default), 16-mixed, bf16-mixed, 16-true, bf16-true",
     )
-    pre.add_argument("--device", default="auto", help="a catalog name (a100-40gb), cpu, cuda[:N] or auto")
+    pre.add_argument(
+        "--device", default="auto", help="a catalog name (a100-40gb), cpu, cuda[:N] or auto (default)"
+    )
     pre.add_argument(
         "--headroom", type=float, default=0.1, help="fraction of memory to keep free (default 0.1)"
     )
@@ -365,16 +416,33 @@ def _parser() -> argparse.ArgumentParser:
         help="growth allowed, a fraction of the budget's peak (default 0.02)",
     )
     _add_projection_args(pre)
-    dev = sub.add_parser("devices", help="list the device catalog and the devices detected here")
+    dev = sub.add_parser(
+        "devices",
+        help="list the device catalog and the devices detected here",
+        description="List the device catalog (memory, bf16, compute capability, peak TFLOP/s, memory "
+        "bandwidth, on-demand price) and the devices detected on this machine.",
+    )
     dev.add_argument("--catalog", default=None, help="a YAML device catalog merged over the bundled one")
     dev.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    demo = sub.add_parser("demo", help="train the embedded example model under guard and print the report")
+    demo = sub.add_parser(
+        "demo",
+        help="train the embedded example model under guard and print the report",
+        description="Train the bundled small GPT for a few steps on the CPU under guard, under a memory "
+        "cap that forces micro-batches with accumulation; write TensorBoard events, report.md, "
+        "report.json, guard.json and memory.png to --log-dir; print the plan and the report.",
+    )
     demo.add_argument("--steps", type=int, default=12, help="optimizer steps (default 12)")
     demo.add_argument("--log-dir", default="runs/demo", help="TensorBoard events and report (runs/demo)")
     demo.add_argument(
         "--memory-limit", default="256MiB", help="plan as if the device had this much memory ('' for none)"
     )
-    rep = sub.add_parser("report", help="print the bottleneck report of a finished run")
+    rep = sub.add_parser(
+        "report",
+        help="print the bottleneck report of a finished run",
+        description="Print the bottleneck report of a finished run as tables: LOGDIR/report.json, or the "
+        "newest report.json below LOGDIR (a Lightning version directory, a Trainer's output_dir). "
+        "Exit 2 when there is none.",
+    )
     rep.add_argument("logdir", help="the run's log dir (report.json in it or in a directory below it)")
     shown = rep.add_mutually_exclusive_group()
     shown.add_argument("--json", action="store_true", help="print report.json instead of the tables")
