@@ -96,13 +96,26 @@ def test_bad_projection_input_exits_2_with_one_paragraph(target, capsys, argv, m
     assert match in err and "Traceback" not in err
 
 
-def test_the_readme_projection_command_runs_as_written(capsys):
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    line = next(x for x in readme.splitlines() if x.startswith("resource-guard preflight --train-tokens"))
+_ROOT = Path(__file__).resolve().parents[1]
+_COMMAND = "resource-guard preflight --train-tokens"
+# the pages that show the projection command and its table (README.md and docs/*.md)
+_SHOWN = [
+    p for p in [_ROOT / "README.md", *sorted((_ROOT / "docs").glob("*.md"))] if _COMMAND in p.read_text()
+]
+
+
+def test_a_page_shows_the_projection_command():
+    assert _SHOWN, f"no page of README.md or docs/ shows `{_COMMAND} ...`"
+
+
+@pytest.mark.parametrize("page", _SHOWN, ids=[str(p.relative_to(_ROOT)) for p in _SHOWN])
+def test_the_projection_command_of_the_page_runs_as_written(page, capsys):
+    text = page.read_text()
+    (line,) = [x for x in text.splitlines() if x.startswith(_COMMAND)]
     assert main([*shlex.split(line)[1:], "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["projection"]
-    shown = re.findall(r"^(\S+)\s+(\d+)\s+\d+x\d+", readme, flags=re.M)
-    assert {(r["device"], str(r["gpus"])) for r in rows} == set(shown)
+    shown = re.findall(r"^(\S+)\s+(\d+)\s+\d+x\d+", text, flags=re.M)
+    assert shown and {(r["device"], str(r["gpus"])) for r in rows} == set(shown)
 
 
 def test_a_cpu_run_calibrates_the_cpu_rows(target, tmp_path, capsys):

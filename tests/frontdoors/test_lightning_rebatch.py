@@ -385,12 +385,11 @@ def test_lightning_internals_of_rebatching_are_where_we_expect():
 
 
 @pytest.mark.slow
-def test_the_readme_example_splits_a_loader_given_to_fit(capsys):
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("## Lightning") :]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:2]  # the set-up, then the example
-    head = blocks[0].split("guard = ")[0]  # the imports of the first block
-    exec(compile(head + blocks[1], "README.md", "exec"), {})
+def test_the_docs_example_splits_a_loader_given_to_fit(capsys):
+    text = (Path(__file__).resolve().parents[2] / "docs" / "lightning.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    (example,) = [b for b in blocks if "batch_size=4096" in b]  # a loader given to fit that does not fit
+    exec(compile(example, "docs/lightning.md", "exec"), {})
     assert capsys.readouterr().out.split()[-2:] == ["1024", "2"]
 
 
