@@ -244,9 +244,10 @@ def test_a_cuda_target_counts_one_byte_an_element_for_a_dropout_mask():
         return forward[-1][CATEGORIES.index("activations")]
 
     n = B * L * D
-    # kept: the dropout's output (the second linear's input), the loss, and for the dropout's backward
-    # a bool mask on CUDA, a float32 noise tensor on the CPU
-    assert activations("cuda") == 4 * n + 1 * n + 4
+    # kept: the dropout's output (the second linear's input), the model's output (alive through backward,
+    # as a loop's variable: keep_outputs), the loss, and for the dropout's backward a bool mask on CUDA, a
+    # float32 noise tensor on the CPU
+    assert activations("cuda") == 4 * n + 4 * n + 1 * n + 4
     assert activations("cpu") - activations("cuda") == 3 * n
 
 

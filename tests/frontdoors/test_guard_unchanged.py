@@ -203,3 +203,97 @@ def test_a_failing_hook_warns_once_and_training_goes_on(tmp_path: Path) -> None:
     assert guarded == alone
     assert len([w for w in caught if "watching the loop" in str(w.message)]) == 1
     assert json.loads((tmp_path / "guard.json").read_text())["observed"]["watch_failed"] is True
+
+
+class BigVocab(nn.Module):
+    """A language model whose logits are most of the step: nanoGPT's ``(logits, loss)`` interface."""
+
+    def __init__(self, vocab: int = 4096, width: int = 32) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.wte = nn.Embedding(vocab, width)
+        self.block = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU())
+        self.proj = nn.Linear(4 * width, width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.wte(idx)
+        logits = self.lm_head(x + self.proj(self.block(x)))
+        return logits, F.cross_entropy(logits.view(-1, self.vocab), targets.reshape(-1))
+
+
+def real_loop_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, X: Any, Y: Any) -> int:
+    """The real CPU peak of one steady-state step of the loop as written (torch.profiler's memory records)."""
+    import gc
+
+    from resource_guard.estimate.host.measure import allocation_deltas, live_bytes, peak_of
+    from resource_guard.estimate.host.quiet import quiet_profile
+
+    logits, loss = model(X, Y)  # a first step: the optimizer state exists
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    del logits, loss
+    gc.collect()
+    start = live_bytes(model, optimizer, (X, Y))
+    with quiet_profile() as prof:
+        logits, loss = model(X, Y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return start + peak_of(allocation_deltas(prof))
+
+
+@pytest.mark.parametrize("keep_outputs", [True, False])
+def test_the_plan_holds_the_outputs_the_loop_holds(keep_outputs: bool) -> None:
+    """``logits, loss = model(X, Y)`` keeps the logits alive through backward: the guard's pre-flight
+    (default) predicts the loop's real CPU peak; ``keep_outputs=False`` leaves out one logits tensor."""
+    torch.manual_seed(0)
+    model = BigVocab()
+    optimizer = torch.optim.AdamW(model.parameters())
+    X, Y = torch.randint(0, 4096, (4, 32)), torch.randint(0, 4096, (4, 32))
+    with guard(model, optimizer, monitor=False, keep_outputs=keep_outputs) as g:
+        model(X, Y)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert g.plan is not None
+    predicted = g.plan.estimate.peak_bytes
+    real = real_loop_peak_bytes(model, optimizer, X, Y)
+    logits = 4 * 32 * 4096 * 4
+    if keep_outputs:
+        assert real <= predicted <= real * 1.02
+    else:
+        assert predicted == pytest.approx(real - logits, rel=0.02)
+
+
+def test_the_guard_keeps_the_loops_precision_unless_asked() -> None:
+    from resource_guard.planning.planner import choose_precision
+
+    model = nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(4, 8), torch.randn(4, 2))
+    with guard(model, optimizer, sample_batch=batch, device="cpu", monitor=False) as g:
+        pass
+    assert g.plan is not None and g.plan.precision == "32-true"
+    assert any("the loop's own" in line for line in g.plan.reasons)
+    double = nn.Linear(8, 2).double()
+    optimizer = torch.optim.SGD(double.parameters(), lr=0.1)
+    batch64 = (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64))
+    with guard(double, optimizer, sample_batch=batch64, device="cpu", monitor=False) as g:
+        pass
+    assert g.plan is not None and g.plan.precision == "64-true"
+    assert next(double.parameters()).dtype == torch.float64
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, optimizer, sample_batch=batch, device="cpu", precision="auto", monitor=False) as g:
+        pass
+    assert g.plan is not None and g.plan.precision == choose_precision(g.plan.device)[0]
+
+
+def test_an_autocasting_unchanged_loop_is_planned_in_its_autocast() -> None:
+    model, optimizer = fresh()
+    with guard(model, optimizer, monitor=False) as g:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, loss = model(*get_batch(torch.Generator().manual_seed(0)))
+        loss.backward()
+        optimizer.step()
+    assert g.plan is not None and g.plan.precision == "bf16-mixed"

@@ -162,6 +162,7 @@ def _trace(
     target: Target | None = None,
     rank_buffers: RankBuffers | None = None,
     sparse_rows: str = "bound",
+    keep_outputs: bool = True,
 ) -> MemoryEstimate:
     started = time.perf_counter()
     # the forward runs as on the target: CUDA's autocast policy and attention kernels on a GPU target
@@ -222,6 +223,7 @@ def _trace(
                 on_phase=lambda ph: None if ph in ("forward", "optimizer") else on_phase(ph),
                 loss_scale=scale,
                 optimizer_step=optimizer_step,
+                keep_outputs=None if keep_outputs else False,
             )
         spans.append((current[0], current[1], len(tracker.events)))
         tracker.detach()
@@ -274,6 +276,7 @@ def estimate_memory(
     precision: str = "32-true",
     device: str | DeviceSpec | None = None,
     sparse_rows: str = "bound",
+    keep_outputs: bool = True,
 ) -> MemoryEstimate:
     """Estimate the memory of one steady-state training step.
 
@@ -298,6 +301,11 @@ def estimate_memory(
             the number of indices, never under for any batch of these shapes; ``"batch"`` counts the
             sample batch's own distinct indices (exact for that batch, under for a same-shape batch
             with more distinct indices). ``est.warnings`` says which was used.
+        keep_outputs: the model's outputs stay alive through backward and the optimizer step, as in a
+            loop that holds them in a variable (``logits, loss = model(x, y)``; ``output = model(x)``
+            then ``loss = crit(output, y)``); ``False`` for a step that frees them once the loss is
+            computed (``loss = crit(model(x), y)``). A ``loss_fn`` may say so itself with a
+            ``keep_outputs = False`` attribute (:class:`~resource_guard.step.training.OutputsDropped`).
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -326,7 +334,10 @@ def estimate_memory(
     with isolated_global_state():
         try:
             with torch_logs_silenced():  # a failed fake kernel is reported below, not by torch's log
-                est = _trace(model, optimizer, batch, loss_fn, trace_spec, kind, target, buffers, sparse_rows)
+                est = _trace(
+                    model, optimizer, batch, loss_fn, trace_spec, kind, target, buffers, sparse_rows,
+                    keep_outputs=keep_outputs,
+                )  # fmt: skip
         except ConfigurationError:
             raise
         except Exception as exc:  # the step cannot continue past an operator: fall back, as an upper bound

@@ -54,7 +54,7 @@ from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.frontdoors.guard.args import check_device_and_catalog, check_log_dir, torch_device_of
 from resource_guard.frontdoors.guard.batches import MicroBatches, expect_steps, to_device
 from resource_guard.frontdoors.guard.evaluation import EvalMode, preflight_eval
-from resource_guard.frontdoors.guard.observed import LoopWatch
+from resource_guard.frontdoors.guard.observed import LoopWatch, loop_precision, outputs_as_kept
 from resource_guard.frontdoors.guard.setup import (
     flops_per_sample,
     make_plan,
@@ -92,6 +92,19 @@ class Guard:
         micro_steps: micro-batches processed.
         report: the monitor's report after exit (``None`` when monitoring is off).
 
+    ``precision``: by default the loop's own (its parameters' dtype: fp32 is ``"32-true"``, a float64
+    model ``"64-true"``; an unchanged loop's autocast is seen at its first forward): the guard changes
+    no numerics unless asked. ``"auto"`` lets it choose (bf16 where the device runs it well), a
+    precision name sets it (with ``g.autocast()`` in the loop).
+
+    ``keep_outputs``: the traced step keeps the model's outputs alive through backward and the optimizer
+    step, as a loop holding them in a variable does (``logits, loss = model(x, y)``); ``False`` for a
+    loop that frees them once the loss is computed (``loss = crit(model(x), y)``).
+
+    Around an unchanged loop (no ``g.iterate``), the guard watches it through hooks instead
+    (:mod:`~resource_guard.frontdoors.guard.observed`): pre-flight at the first training forward,
+    phases, steps and the loop's accumulation counted, the report written at exit; nothing applied.
+
     ``eval_sample_batch``: one batch of the evaluation loop (its own batch size and shapes), whose step
     is pre-flighted with the plan, before any training step, as it will run after the first optimizer
     step (see :meth:`evaluate`).
@@ -106,7 +119,7 @@ class Guard:
         loss_fn: LossFn | None = None,
         target_batch_size: int | None = None,
         device: str | DeviceSpec = "auto",
-        precision: str = "auto",
+        precision: str | None = None,
         checkpointing: bool | str = "auto",
         memory_limit: int | str | None = None,
         headroom: float = 0.1,
@@ -120,6 +133,7 @@ class Guard:
         max_seq_len: int | None = None,
         worst_case_batch: Any = None,
         check_shapes: bool = True,
+        keep_outputs: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
@@ -146,8 +160,11 @@ class Guard:
             raise ConfigurationError(f"`guard(clip_grad_norm={clip_grad_norm!r})` must be > 0 or None.")
         if not isinstance(memory_history, bool):
             raise ConfigurationError(f"`guard(memory_history={memory_history!r})` must be True or False.")
-        if precision != "auto":
+        if precision not in (None, "auto"):
             parse_precision(precision)  # an unknown name fails here, before anything else
+        if not isinstance(keep_outputs, bool):
+            raise ConfigurationError(f"`guard(keep_outputs={keep_outputs!r})` must be True or False.")
+        self._keep_outputs = keep_outputs
         from resource_guard.frontdoors.shape_guard import check_worst_case_args
 
         check_worst_case_args("guard", max_seq_len, check_shapes)
@@ -232,9 +249,16 @@ class Guard:
             )
         self._target = target
         loss_fn = self.loss_fn if self.loss_fn is not None else StandInLoss()  # several: a UserStep
-        self.plan, self.device = make_plan(
-            self.model, self.optimizers, batch, loss_fn, target, self._plan_kwargs
-        )
+        loss_fn = outputs_as_kept(loss_fn, self._keep_outputs)
+        kwargs, own = self._plan_kwargs, self._plan_kwargs["precision"] is None
+        if own:  # numerics by consent: the loop's own precision unless precision= says otherwise
+            kwargs = {**kwargs, "precision": loop_precision(self.model, "cpu")}
+        self.plan, self.device = make_plan(self.model, self.optimizers, batch, loss_fn, target, kwargs)
+        if own:
+            self.plan = self._with_reasons(
+                f"precision {self.plan.precision}: the loop's own (its parameters' dtype); "
+                "`precision='auto'` lets the guard choose, a precision name sets it"
+            )
         if self._eval_sample is not None:  # the evaluation to come, before any step
             self._preflight_eval(self._eval_sample, later=True)
         if self._monitor_on:  # model FLOPs, before checkpointing adds its recomputation
@@ -269,7 +293,7 @@ class Guard:
         watch = self._watch
         assert watch is not None
         self.plan, self.device, loss = plan_as_run(
-            self.model, self.optimizers, args, kwargs, self.loss_fn, self._plan_kwargs
+            self.model, self.optimizers, args, kwargs, self.loss_fn, self._plan_kwargs, self._keep_outputs
         )
         self._target = self.plan.target_batch_size
         self.plan = self._with_reasons(

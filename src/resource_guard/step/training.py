@@ -25,6 +25,7 @@ from resource_guard.step.precision import PrecisionSpec, autocast_context
 __all__ = [
     "LossFn",
     "OptimizerArg",
+    "OutputsDropped",
     "StandInLoss",
     "default_loss_fn",
     "call_loss_fn",
@@ -96,7 +97,18 @@ def default_loss_fn(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
+def _scalar_in_tuple(output: Any) -> torch.Tensor | None:
+    """The one one-element float tensor of a returned tuple (nanoGPT's ``logits, loss = model(x, y)``)."""
+    if not isinstance(output, (tuple, list)):
+        return None
+    found = [t for t in output if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()]
+    return found[0].reshape(()) if len(found) == 1 else None
+
+
 def _as_loss(output: Any) -> torch.Tensor:
+    in_tuple = _scalar_in_tuple(output)
+    if in_tuple is not None:
+        return in_tuple
     if isinstance(output, torch.Tensor):
         if output.numel() == 1:
             return output.reshape(())
@@ -117,7 +129,8 @@ def _as_loss(output: Any) -> torch.Tensor:
         )
     raise ConfigurationError(
         f"cannot find a scalar loss in the model's output ({type(output).__name__}): it is neither a "
-        "scalar tensor nor has `.loss` / `['loss']`; pass `loss_fn=lambda model, batch: ...` that returns it."
+        "scalar tensor, nor a tuple with one, nor has `.loss` / `['loss']`; pass "
+        "`loss_fn=lambda model, batch: ...` that returns it."
     )
 
 
@@ -161,6 +174,8 @@ class StandInLoss:
         "loss: stand-in (a cross-entropy over the model's outputs against class 0), "
         "as no `loss_fn` was given and the model returns no loss; pass loss_fn= for an exact estimate"
     )
+
+    keep_outputs = True  # the traced step keeps the model's outputs alive (see `training_step`)
 
     def __init__(self) -> None:
         self.used = False
@@ -207,7 +222,11 @@ def _call_as_the_loop_does(model: nn.Module, batch: Any) -> Any:
 
 
 def _own_loss(output: Any) -> torch.Tensor | None:
-    """The loss the model's output carries (scalar output, ``.loss``, ``["loss"]``), else None."""
+    """The loss the model's output carries (scalar output, one scalar in a tuple, ``.loss``,
+    ``["loss"]``), else None."""
+    in_tuple = _scalar_in_tuple(output)
+    if in_tuple is not None:
+        return in_tuple
     if isinstance(output, torch.Tensor):
         return output.reshape(()) if output.numel() == 1 else None
     loss = getattr(output, "loss", None)
@@ -223,6 +242,26 @@ def _standin_tensors(output: Any) -> list[torch.Tensor]:
     # under no_grad (an evaluation step) nothing requires grad: every floating-point output counts
     grad = torch.is_grad_enabled()
     return [t for t in found if t.is_floating_point() and (t.requires_grad or not grad)]
+
+
+class OutputsDropped:
+    """``loss_fn`` whose step frees the model's outputs once the loss is computed (``keep_outputs=False``).
+
+    Example:
+        >>> OutputsDropped(lambda model, batch: model(batch).sum()).keep_outputs
+        False
+    """
+
+    keep_outputs = False
+
+    def __init__(self, loss_fn: LossFn | None) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, model: nn.Module, batch: Any) -> Any:
+        return (self.loss_fn or default_loss_fn)(model, batch)
+
+    def __repr__(self) -> str:
+        return f"OutputsDropped({self.loss_fn!r})"
 
 
 def call_loss_fn(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
@@ -248,17 +287,30 @@ def training_step(
     on_phase: Callable[[str], None] | None = None,
     loss_scale: float | None = None,
     optimizer_step: Callable[[], None] | None = None,
+    keep_outputs: bool | None = None,
 ) -> None:
     """One full training step. ``on_phase`` is told "forward", "backward", "optimizer", "zero_grad".
 
     ``loss_scale`` stands for a GradScaler's scale (``16-mixed``): the loss is multiplied by it and the
     gradients divided by it before the step, as ``GradScaler.unscale_`` does. ``optimizer_step``
     replaces ``optimizer.step()`` (the estimator uses it to trace each optimizer code path).
+
+    ``keep_outputs``: what ``model(...)`` returned stays alive until the optimizer step is done, as a
+    loop's variable does (``logits, loss = model(x, y)``, ``output = model(x); loss = crit(output, y)``);
+    ``False``: freed once the loss is computed (a step function that returns only the loss, as
+    Lightning's ``training_step``). Default: ``loss_fn``'s own ``keep_outputs`` attribute, else True.
     """
     notify = on_phase or (lambda _phase: None)
+    keep = keep_outputs if keep_outputs is not None else bool(getattr(loss_fn, "keep_outputs", True))
+    kept: list[Any] = []
     notify("forward")
-    with autocast_context(spec, device_type):
-        loss = call_loss_fn(model, batch, loss_fn)
+    handle = model.register_forward_hook(lambda _m, _a, out: kept.append(out)) if keep else None
+    try:
+        with autocast_context(spec, device_type):
+            loss = call_loss_fn(model, batch, loss_fn)
+    finally:
+        if handle is not None:
+            handle.remove()
     notify("backward")
     if loss_scale is not None:
         (loss.float() * loss_scale).backward()
@@ -271,6 +323,7 @@ def training_step(
         if grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
     (optimizer_step or optimizer.step)()
+    kept.clear()  # the loop's next forward rebinds its variables
     notify("zero_grad")
     optimizer.zero_grad(set_to_none=True)
     notify("done")

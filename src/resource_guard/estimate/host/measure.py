@@ -109,12 +109,14 @@ def measure_training_step(
     precision: str = "32-true",
     warmup_steps: int = 1,
     gradients_kept: bool = False,
+    keep_outputs: bool = True,
 ) -> MeasuredStep:
     """Run ``warmup_steps`` real steps (so optimizer state exists), then measure one more.
 
     ``gradients_kept=True`` measures the last micro-step of gradient accumulation instead: one more
     forward and backward first leaves every gradient allocated, and the measured step adds into them
-    (what ``MemoryEstimate.for_device(gradients_kept=True)`` predicts).
+    (what ``MemoryEstimate.for_device(gradients_kept=True)`` predicts). ``keep_outputs``: as for
+    :func:`~resource_guard.estimate.estimator.estimate_memory`.
 
     The model and optimizer are trained for real: pass throwaway copies. For ``*-true`` precisions the
     model must already be in that dtype.
@@ -127,6 +129,7 @@ def measure_training_step(
     """
     spec = parse_precision(precision)
     scale = 2.0**16 if spec.loss_scaling else None
+    keep = None if keep_outputs else False  # as estimate_memory(keep_outputs=...)
     model.train()
     for _ in range(warmup_steps):
         training_step(model, optimizer, batch, loss_fn, spec, "cpu", loss_scale=scale)
@@ -152,7 +155,7 @@ def measure_training_step(
             gc.collect()
             with torch.profiler.record_function(_MARK):
                 pass
-        training_step(model, optimizer, batch, loss_fn, spec, "cpu", loss_scale=scale)
+        training_step(model, optimizer, batch, loss_fn, spec, "cpu", loss_scale=scale, keep_outputs=keep)
     deltas = allocation_deltas(prof)
     if sparse:
         mark = _mark_time_ns(prof)

@@ -50,7 +50,7 @@ from resource_guard.step.training import (
     iter_tensors,
 )
 
-__all__ = ["LoopLoss", "LoopWatch", "forward_batch", "loop_precision"]
+__all__ = ["LoopLoss", "LoopWatch", "forward_batch", "loop_precision", "outputs_as_kept", "plan_as_run"]
 
 _clock = time.perf_counter
 _TRUE = {torch.float64: "64-true", torch.bfloat16: "bf16-true", torch.float16: "16-true"}
@@ -63,6 +63,25 @@ def loop_precision(model: nn.Module, device_type: str) -> str:
         return "bf16-mixed" if dtype == torch.bfloat16 else "16-mixed"
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return _TRUE.get(dtype, "32-true")
+
+
+def outputs_as_kept(loss_fn: Any, keep: bool) -> Any:
+    """``loss_fn`` whose traced step keeps the model's outputs alive through backward (``keep``, the
+    default of a loop holding them in a variable) or frees them once the loss is computed.
+
+    The guard's own loss objects carry it as an attribute; a user's function is wrapped
+    (:class:`~resource_guard.step.training.OutputsDropped`); a user step (several optimizers) is its
+    own step and stays as it is.
+    """
+    from resource_guard.estimate.user_step import UserStep
+    from resource_guard.step.training import OutputsDropped
+
+    if keep or isinstance(loss_fn, UserStep):
+        return loss_fn
+    if isinstance(loss_fn, StandInLoss):
+        loss_fn.keep_outputs = False
+        return loss_fn
+    return OutputsDropped(loss_fn)
 
 
 def forward_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
@@ -87,6 +106,8 @@ class LoopLoss(StandInLoss):
     forward's positional arguments as a tuple, or its keyword arguments as a dict); else the stand-in
     over the outputs (:class:`~resource_guard.step.training.StandInLoss`, stated in the plan).
     """
+
+    keep_outputs = True  # the traced step's outputs stay alive through backward (``guard(keep_outputs=)``)
 
     def __init__(self, both: bool, loss_fn: Callable[[nn.Module, Any], Any] | None = None) -> None:
         super().__init__()
@@ -374,6 +395,7 @@ def plan_as_run(
     kwargs: Mapping[str, Any],
     loss_fn: Callable[[nn.Module, Any], Any] | None,
     plan_kwargs: Mapping[str, Any],
+    keep_outputs: bool = True,
 ) -> tuple[Any, torch.device, LoopLoss]:
     """The plan of the step the loop is about to run: the first forward's inputs, the loop's precision
     and device, no checkpointing. Returns ``(plan, torch device, loss)``.
@@ -400,6 +422,7 @@ def plan_as_run(
     kw["precision"] = loop_precision(model, own.type)
     kw["checkpointing"] = False  # the loop runs without it; the plan says what would change
     loss = LoopLoss(bool(args) and bool(kwargs), loss_fn)
+    loss.keep_outputs = keep_outputs
     with torch.autocast(own.type, enabled=False):  # the trace applies the loop's precision itself
         made, device = make_plan(model, optimizers, batch, loss, rows, kw)
     if made.micro_batch_size < rows:
