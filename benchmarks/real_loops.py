@@ -1,0 +1,112 @@
+"""Loops as public scripts write them, each wrapped only in ``with guard(model, optimizer):``.
+
+The loops live in ``benchmarks/real_loops/`` (one file each, ``build()`` and ``train(model, optimizer,
+steps)``): a nanoGPT-like GPT with ``logits, loss = model(X, Y)`` and its own accumulation; an
+mnist-like classifier with a test pass each epoch; time_sequence_prediction's float64 LBFGS closure
+loop. Per loop it prints: whether the pre-flight ran before the first forward, the predicted peak
+(the guard's plan) against the real CPU peak of the loop as written (torch.profiler's memory records
+over the same steps run unguarded, optimizer state created in the first), the optimizer steps the
+guard counted against those the loop ran (a step post-hook of our own), the accumulation it found,
+the report's first finding, and the final loss against the same loop without the guard.
+
+Run: ``python benchmarks/real_loops.py [--steps 4]`` (CPU, about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from resource_guard import guard
+from resource_guard.estimate.host.measure import allocation_deltas, live_bytes, peak_of
+from resource_guard.estimate.host.quiet import quiet_profile
+
+LOOPS = ("nanogpt", "classifier", "lbfgs")
+HERE = Path(__file__).parent / "real_loops"
+
+
+def load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"real_loops_{name}", HERE / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def unguarded(loop: Any, steps: int) -> tuple[float, int, int]:
+    """The loop alone: its final loss, the optimizer steps it ran and its real CPU peak (bytes)."""
+    torch.manual_seed(0)
+    model, optimizer = loop.build()
+    ran = [0]
+    optimizer.register_step_post_hook(lambda *a: ran.__setitem__(0, ran[0] + 1))
+    gc.collect()
+    start = live_bytes(model, optimizer)
+    with quiet_profile() as prof:
+        loss = loop.train(model, optimizer, steps)
+    return loss, ran[0], start + peak_of(allocation_deltas(prof))
+
+
+def guarded(loop: Any, steps: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, optimizer = loop.build()
+    seen: list[bool] = []
+    with tempfile.TemporaryDirectory() as log_dir, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with guard(model, optimizer, log_dir=log_dir, profile=False) as g:
+            # after the guard's own hook: was the run planned before the loop's first forward ran?
+            model.register_forward_pre_hook(
+                lambda m, a: seen.append(g.plan is not None) if m is model and not seen else None
+            )
+            loss = loop.train(model, optimizer, steps)
+    report = g.report
+    first = report.findings[0].id if report is not None and report.findings else "-"
+    watch = g.summary().get("observed", {})
+    return {
+        "loss": loss,
+        "preflight_first": bool(seen and seen[0]),
+        "predicted": g.plan.estimate.peak_bytes if g.plan is not None else None,
+        "method": g.plan.estimate.method if g.plan is not None else None,
+        "steps": g.optimizer_steps,
+        "accumulation": watch.get("accumulation"),
+        "finding": first,
+        "warnings": [str(w.message)[:100] for w in caught],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args(argv)
+    mib = 2**20
+    print(
+        "| loop | pre-flight before 1st forward | predicted MiB | real MiB | error | steps counted/run "
+        "| accumulation | first finding | final loss guarded vs alone |"
+    )
+    print("|---|:-:|---:|---:|---:|:-:|:-:|---|---|")
+    for name in LOOPS:
+        loop = load(name)
+        alone, ran, real = unguarded(loop, args.steps)
+        got = guarded(loop, args.steps)
+        predicted = got["predicted"]
+        error = f"{predicted / real - 1:+.1%}" if predicted else "-"
+        same = "identical" if got["loss"] == alone else f"{got['loss']!r} vs {alone!r}"
+        print(
+            f"| {name} | {'yes' if got['preflight_first'] else 'no'} | "
+            f"{predicted / mib if predicted else float('nan'):.2f} ({got['method']}) | {real / mib:.2f} | "
+            f"{error} | {got['steps']}/{ran} | {got['accumulation']} | {got['finding']} | {same} |"
+        )
+        for message in got["warnings"]:
+            print(f"  warning ({name}): {message}")
+
+
+if __name__ == "__main__":
+    main()
