@@ -24,6 +24,7 @@ from transformers import (
 
 import resource_guard
 from cpu_reference import skip_unless_cpu_runs
+from resource_guard.devices import play_cpu
 from resource_guard.errors import ConfigurationError, DoesNotFitError
 from resource_guard.frontdoors import hf_runtime, hf_step, hf_trainer
 from resource_guard.frontdoors.hf_plan import plan_training_args
@@ -151,6 +152,23 @@ def test_plan_training_args_refuses_bad_arguments(tmp_path):
         plan_training_args(gpt2(), targs(tmp_path), lm_rows(4, 8), target_batch_size=0)
     with pytest.raises(ConfigurationError, match="TrainingArguments"):
         plan_training_args(gpt2(), {"per_device_train_batch_size": 2}, lm_rows(4, 8))
+    with pytest.raises(ConfigurationError, match=r"plan_training_args\(precision='bf16-true'\)"):
+        plan_training_args(gpt2(), targs(tmp_path), lm_rows(4, 8), precision="bf16-true")
+    with pytest.raises(ConfigurationError, match="set the precision in one place"):
+        plan_training_args(gpt2(), targs(tmp_path, bf16=True), lm_rows(4, 8), precision="16-mixed")
+
+
+@pytest.mark.parametrize("isa", ["avx512_core_bf16", "avx2"])
+def test_plan_training_args_keeps_the_arguments_precision_unless_asked(tmp_path, isa):
+    """Numerics by consent: float32 arguments stay float32 on a CPU with native bf16 too;
+    ``precision="auto"`` opts in to the planner's choice (bf16 there)."""
+    args = targs(tmp_path, per_device_train_batch_size=4)
+    with play_cpu(isa):
+        kept, made = plan_training_args(gpt2(), args, lm_rows(8, 16), verbose=False, return_plan=True)
+        chosen = plan_training_args(gpt2(), args, lm_rows(8, 16), precision="auto", verbose=False)
+    assert not kept.bf16 and not kept.fp16 and made.precision == "32-true"
+    assert any("precision kept as set (float32" in r for r in made.reasons), made.reasons
+    assert chosen.bf16 is (isa == "avx512_core_bf16") and not chosen.fp16
 
 
 def test_transformers_seams_are_where_we_expect():

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import resource_guard.planning.planner as plan_module
-from resource_guard.devices import resolve_device
+from resource_guard.devices import play_cpu, resolve_device
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.frontdoors import lightning_apply as ap
 from resource_guard.frontdoors import lightning_internals as li
@@ -267,7 +267,7 @@ def test_precision_plugin_is_swapped_for_the_plan_and_restored(fake_plan):
             seen.append((type(self.trainer.precision_plugin), torch.is_autocast_enabled("cpu")))
             return super().training_step(batch, batch_idx)
 
-    t = trainer(ResourceGuard(monitor=False), max_steps=1)
+    t = trainer(ResourceGuard(precision="auto", monitor=False), max_steps=1)
     t.fit(Spy(), Data())
     assert seen[-1] == (MixedPrecision, True)
     assert type(t.precision_plugin) is Precision
@@ -308,7 +308,42 @@ def test_fixed_accumulation_that_cannot_fit_fails_fast(fake_plan):
 def test_respects_trainer_precision(fake_plan):
     calls = fake_plan()
     trainer(ResourceGuard(monitor=False), precision="bf16-mixed", max_steps=1).fit(Net(), Data())
-    assert calls[0]["precision"] == "bf16-mixed"
+    trainer(ResourceGuard(precision="auto", monitor=False), precision="bf16-mixed", max_steps=1).fit(
+        Net(), Data()
+    )
+    assert [c["precision"] for c in calls] == ["bf16-mixed", "bf16-mixed"]
+
+
+def _losses(*callbacks, **kwargs) -> list[float]:
+    losses: list[float] = []
+
+    class Recorded(Net):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            if self._trainer is not None:  # not the pre-flight's step on a detached copy
+                losses.append(float(out["loss"]))
+            return out
+
+    torch.manual_seed(0)
+    trainer(*callbacks, max_steps=3, **kwargs).fit(Recorded(), Data())
+    return losses
+
+
+@pytest.mark.parametrize("isa", ["avx512_core_bf16", "avx2"])
+def test_the_default_keeps_the_trainers_precision_and_the_losses(isa, caplog):
+    """Numerics by consent: on a CPU with native bf16 too, the run keeps Lightning's default 32-true and
+    trains to the same losses as without the callback; ``precision="auto"`` opts in to the planner's
+    choice, bf16-mixed there."""
+    with play_cpu(isa):
+        baseline = _losses()
+        guard = ResourceGuard(monitor=False)
+        with caplog.at_level(logging.INFO):
+            guarded = _losses(guard)
+        chosen = ResourceGuard(precision="auto", monitor=False)
+        trainer(chosen, max_steps=1).fit(Net(), Data())
+    assert guard.decisions.precision == "32-true" and guarded == baseline
+    assert "precision fixed by the Trainer's precision (32-true, Lightning's default" in caplog.text
+    assert chosen.decisions.precision == ("bf16-mixed" if isa == "avx512_core_bf16" else "32-true")
 
 
 def test_conflicting_settings_are_refused_with_the_remedy():
@@ -400,7 +435,7 @@ def test_unknown_device_is_refused_in_setup_before_any_estimate():
 
 def test_plans_for_a_catalog_device(fake_plan):
     calls = fake_plan(precision="16-mixed")
-    guard = ResourceGuard(device="t4", monitor=False)
+    guard = ResourceGuard(device="t4", precision="auto", monitor=False)
     trainer(guard, max_steps=1).fit(Net(), Data())
     assert calls[0]["device"] == "t4" and guard.decisions.precision == "16-mixed"
 

@@ -55,6 +55,9 @@ def say(text: str) -> None:
         print(text, file=sys.stderr)
 
 
+_EXPRESSIBLE = ("32-true", "bf16-mixed", "16-mixed")  # the precisions TrainingArguments can express
+
+
 @overload
 def plan_training_args(
     model: nn.Module,
@@ -68,6 +71,7 @@ def plan_training_args(
     worst_case_batch: Any = ...,
     target_batch_size: int | None = ...,
     headroom: float = ...,
+    precision: str | None = ...,
     loss_fn: Callable[[nn.Module, Any], Any] | None = ...,
     compute_loss_func: Callable[..., Any] | None = ...,
     verbose: bool = ...,
@@ -88,6 +92,7 @@ def plan_training_args(
     worst_case_batch: Any = ...,
     target_batch_size: int | None = ...,
     headroom: float = ...,
+    precision: str | None = ...,
     loss_fn: Callable[[nn.Module, Any], Any] | None = ...,
     compute_loss_func: Callable[..., Any] | None = ...,
     verbose: bool = ...,
@@ -107,6 +112,7 @@ def plan_training_args(
     worst_case_batch: Any = None,
     target_batch_size: int | None = None,
     headroom: float = 0.1,
+    precision: str | None = None,
     loss_fn: Callable[[nn.Module, Any], Any] | None = None,
     compute_loss_func: Callable[..., Any] | None = None,
     verbose: bool = True,
@@ -128,6 +134,9 @@ def plan_training_args(
             from the collator's ``max_length`` or the dataset's length column when declared.
         target_batch_size: the effective batch; default the one ``args`` implies.
         headroom: share of the device memory kept free, in [0, 0.9).
+        precision: ``None`` (the default) keeps the precision ``args`` sets (``bf16``/``fp16``, else
+            float32): the run's numerics change only by consent. ``"auto"`` lets the planner choose
+            where ``args`` sets neither; ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` fixes it.
         loss_fn: ``loss_fn(model, batch) -> loss`` for a Trainer subclass that overrides ``compute_loss``.
         compute_loss_func: the ``Trainer(compute_loss_func=...)`` the run will use.
         verbose: print the decisions, their reasons and the alternatives (process zero).
@@ -158,6 +167,11 @@ def plan_training_args(
     if memory_limit is not None:
         parse_memory_limit(memory_limit, call)
     check_worst_case_args(call, max_seq_len, True)
+    if precision not in (None, "auto", *_EXPRESSIBLE):
+        raise ConfigurationError(
+            f"`{call}(precision={precision!r})` must be None (keep the TrainingArguments' precision), "
+            f"'auto' or one of {', '.join(_EXPRESSIBLE)} (what TrainingArguments can express)."
+        )
     started = time.perf_counter()
     world = max(1, int(getattr(args, "world_size", 1) or 1))
     target = target_batch_size or args.per_device_train_batch_size * args.gradient_accumulation_steps * world
@@ -170,6 +184,12 @@ def plan_training_args(
 
         data_collator = default_data_collator
     fixed_precision = hf_step.precision_of(args)
+    if precision not in (None, "auto") and fixed_precision not in (None, precision):
+        raise ConfigurationError(
+            f"`{call}(precision={precision!r})` conflicts with the TrainingArguments' "
+            f"{'bf16' if args.bf16 else 'fp16'}=True: set the precision in one place only."
+        )
+    planned_precision = fixed_precision or (precision if precision is not None else "32-true")
     ckpt_field, ckpt_kwargs_field = hf_step.checkpointing_fields(args)
     user_checkpointing = bool(getattr(args, ckpt_field, False))
     can_checkpoint = bool(getattr(hf_step.base_model_of(model), "supports_gradient_checkpointing", False))
@@ -205,14 +225,14 @@ def plan_training_args(
         device=device or str(args.device),
         target_batch_size=target,
         headroom=headroom,
-        precision=fixed_precision or "auto",
+        precision=planned_precision,
         checkpointing=checkpointing,
         world_size=world,
         strategy=_strategy(args, world),
         memory_limit=memory_limit,
         allow_rough=True,
     )
-    if made.precision not in ("32-true", "bf16-mixed", "16-mixed"):  # TrainingArguments cannot say it
+    if made.precision not in _EXPRESSIBLE:  # TrainingArguments cannot say it
         raise ConfigurationError(
             f"the plan chose {made.precision}, which TrainingArguments cannot express; set `bf16=True` or "
             "`fp16=True` in the TrainingArguments to fix the precision."
@@ -235,6 +255,11 @@ def plan_training_args(
         notes.append(f"gradient checkpointing kept as set (`{ckpt_field}=True`)")
     if fixed_precision is not None:
         notes.append(f"precision kept as set ({'bf16' if args.bf16 else 'fp16'}=True)")
+    elif precision is None:
+        notes.append(
+            "precision kept as set (float32: no bf16/fp16 in the TrainingArguments; "
+            "`precision='auto'` lets the planner choose)"
+        )
     planned = dataclasses.replace(args, **changes)
     made = dataclasses.replace(made, reasons=(*made.reasons, *notes))
     if verbose and int(getattr(args, "process_index", 0) or 0) == 0:

@@ -106,8 +106,12 @@ def trainer_precision_is_default(trainer: pl.Trainer) -> bool:
     return type(trainer.precision_plugin) is Precision and trainer.precision == "32-true"
 
 
-def fixed_settings(trainer: pl.Trainer, precision: str, accumulation: int | str) -> Fixed:
-    """What the user fixed, from the Trainer and the callback's own arguments; conflicts are refused."""
+def fixed_settings(trainer: pl.Trainer, precision: str | None, accumulation: int | str) -> Fixed:
+    """What the user fixed, from the Trainer and the callback's own arguments; conflicts are refused.
+
+    ``precision=None`` keeps the Trainer's precision whatever it is (Lightning's default included);
+    ``"auto"`` leaves it to the planner unless the Trainer names one other than the default.
+    """
     acc: int | None = None
     acc_source = ""
     trainer_acc = int(trainer.accumulate_grad_batches)
@@ -124,7 +128,7 @@ def fixed_settings(trainer: pl.Trainer, precision: str, accumulation: int | str)
     prec: str | None = None
     prec_source = ""
     trainer_default = trainer_precision_is_default(trainer)
-    if precision != "auto":
+    if precision is not None and precision != "auto":
         if not trainer_default and trainer.precision != precision:
             raise ConfigurationError(
                 f"`ResourceGuard(precision={precision!r})` conflicts with the Trainer's precision "
@@ -136,7 +140,7 @@ def fixed_settings(trainer: pl.Trainer, precision: str, accumulation: int | str)
                 f"strategy has set the model up; pass `Trainer(precision={precision!r})` instead."
             )
         prec, prec_source = precision, f"ResourceGuard(precision={precision!r})"
-    elif not trainer_default:
+    elif precision is None or not trainer_default:
         name = str(trainer.precision)
         if name not in PRECISIONS:
             raise ConfigurationError(
@@ -144,6 +148,11 @@ def fixed_settings(trainer: pl.Trainer, precision: str, accumulation: int | str)
                 f"({', '.join(PRECISIONS)}); remove the ResourceGuard callback or use one of those."
             )
         prec, prec_source = name, f"Trainer(precision={name!r})"
+        if trainer_default:
+            prec_source = (
+                "the Trainer's precision (32-true, Lightning's default; "
+                "`ResourceGuard(precision='auto')` lets the planner choose)"
+            )
     return Fixed(acc, acc_source, prec, prec_source)
 
 

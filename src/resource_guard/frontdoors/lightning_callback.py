@@ -69,8 +69,11 @@ class ResourceGuard(Callback):
         device: the device to plan for: default the Trainer's root device; a catalog name (for example
             ``"a100-40gb"``) plans as if training there.
         headroom: share of the device memory kept free, in [0, 0.9).
-        precision: ``"auto"`` lets the planner choose; a Lightning precision name fixes it. A Trainer
-            precision other than the default is respected as fixed too.
+        precision: ``None`` (the default) keeps the Trainer's precision, explicit or Lightning's
+            default 32-true: the callback never changes a run's numerics unasked. ``"auto"`` lets the
+            planner choose (bf16-mixed where the device computes bf16 natively, else 16-mixed on a GPU
+            or 32-true); with ``"auto"`` an explicit Trainer precision other than 32-true stays fixed. A
+            Lightning precision name fixes it.
         checkpointing: ``"auto"``, ``True`` or ``False`` (activation checkpointing of repeated blocks).
         accumulation: ``"auto"`` or a fixed number of micro-batches per optimizer step (the planner
             then picks the rest around it). A ``Trainer(accumulate_grad_batches=k)`` with k > 1 is
@@ -109,7 +112,7 @@ class ResourceGuard(Callback):
         target_batch_size: int | None = None,
         device: str | None = None,
         headroom: float = 0.1,
-        precision: str = "auto",
+        precision: str | None = None,
         checkpointing: bool | str = "auto",
         accumulation: int | str = "auto",
         memory_limit: int | str | None = None,
@@ -134,16 +137,16 @@ class ResourceGuard(Callback):
             raise bad("device", device, "a device name ('cpu', 'cuda:0', 'a100-40gb', ...) or None")
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
             raise bad("headroom", headroom, "in [0, 0.9)")
-        if precision != "auto":
+        if precision not in (None, "auto"):
             if not isinstance(precision, (str, int)):
-                raise bad("precision", precision, "'auto' or a Lightning precision name")
+                raise bad("precision", precision, "None, 'auto' or a Lightning precision name")
             try:
                 precision = parse_precision(precision).name
             except ConfigurationError:
                 raise bad(
                     "precision",
                     precision,
-                    "'auto' or one of 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true",
+                    "None, 'auto' or one of 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true",
                 ) from None
         if checkpointing not in (True, False, "auto"):
             raise bad("checkpointing", checkpointing, "True, False or 'auto'")
@@ -173,7 +176,7 @@ class ResourceGuard(Callback):
         self.target_batch_size = target_batch_size
         self.device = device
         self.headroom = float(headroom)
-        self.precision = str(precision)
+        self.precision = None if precision is None else str(precision)
         self.checkpointing = checkpointing
         self.accumulation = accumulation
         self.memory_limit = memory_limit
