@@ -288,6 +288,21 @@ def test_checkpointing_is_applied_during_fit_and_removed_after(fake_plan):
     assert "forward" not in model.blocks[0].__dict__
 
 
+def test_the_traced_training_step_frees_the_modules_outputs_as_lightning_does():
+    """Lightning keeps only what `training_step` returns: the module's outputs are its locals, gone before
+    backward; a plain loop's `output = model(x)` keeps them (estimate_memory's default)."""
+    from resource_guard import estimate_memory
+
+    module, batch = Net(), (torch.randn(64, DIM), torch.randn(64, 1))
+    optimizer = torch.optim.AdamW(module.parameters())
+    traced = estimate_memory(module, optimizer, batch, ap.training_step_loss, device="cpu")
+    dropped = estimate_memory(
+        module, optimizer, batch, ap.training_step_loss, device="cpu", keep_outputs=False
+    )
+    as_loop = estimate_memory(module, optimizer, batch, lambda m, b: m.training_step(b, 0), device="cpu")
+    assert traced.peak_bytes == dropped.peak_bytes < as_loop.peak_bytes
+
+
 def test_respects_trainer_accumulation_and_says_so(fake_plan, caplog):
     calls = fake_plan()
     guard = ResourceGuard(monitor=False)

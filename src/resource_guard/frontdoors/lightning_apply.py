@@ -217,15 +217,29 @@ def detached_trainer(pl_module: pl.LightningModule) -> Iterator[None]:
         pl_module.trainer = trainer  # type: ignore[assignment]
 
 
-def training_step_loss(module: Any, batch: Any) -> Any:
-    """The loss function the estimator traces: the module's own ``training_step`` on the batch."""
-    out = module.training_step(batch, 0)
-    if out is None:
-        raise ConfigurationError(
-            "`training_step` returned None on the first batch (a skipped step): ResourceGuard needs the "
-            "loss. Return the loss tensor, or a dict with a 'loss' key."
-        )
-    return out
+class _TrainingStepLoss:
+    """The loss function the estimator traces: the module's own ``training_step`` on the batch.
+
+    Lightning keeps only what ``training_step`` returns: the module's outputs are its locals, freed before
+    backward, so the traced step does not keep them (``keep_outputs = False``).
+    """
+
+    keep_outputs = False
+
+    def __call__(self, module: Any, batch: Any) -> Any:
+        out = module.training_step(batch, 0)
+        if out is None:
+            raise ConfigurationError(
+                "`training_step` returned None on the first batch (a skipped step): ResourceGuard needs the "
+                "loss. Return the loss tensor, or a dict with a 'loss' key."
+            )
+        return out
+
+    def __repr__(self) -> str:
+        return "training_step_loss"
+
+
+training_step_loss = _TrainingStepLoss()
 
 
 # ---------------------------------------------------------------------------------------------------
