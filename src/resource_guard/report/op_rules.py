@@ -15,6 +15,10 @@ faster"). The thresholds, each with its reason:
   wall time; graph breaks or cheaper recompilations are ``info``.
 - comm-bound: exposed communication (not overlapped by compute kernels) >= ``COMM_BOUND_SHARE``.
 
+Every share is clipped to the step and every prediction bounded below by what the advice does not
+touch (:func:`resource_guard.report.gains.bounded_gain`): the other op classes for casts, the device's
+busy time for host syncs, forward + backward + optimizer for recompiles and communication.
+
 Example:
     >>> from resource_guard.report.types import ProfileSummary
     >>> p = ProfileSummary(steps=3, step_wall_us=10_000.0, op_timeline="host",
@@ -29,7 +33,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from resource_guard.report.types import Finding, RunStats
+from resource_guard.report.gains import bounded_gain, compute_floor_s
+from resource_guard.report.types import Finding, ProfileSummary, RunStats
 
 __all__ = [
     "CASTS_SHARE",
@@ -70,15 +75,35 @@ def _step_s(s: RunStats) -> float | None:
     return p.step_wall_us / 1e6 if p is not None and p.step_wall_us else None
 
 
-def _faster(step_s: float | None, share: float) -> tuple[float | None, str]:
-    """The step without a cause that takes ``share`` of it, and the "about N% faster" phrase."""
+def _gain(s: RunStats, share: float, floor_share: float = 0.0) -> tuple[float, float | None, str]:
+    """The cause's share of the step clipped to [0, 1], the step predicted without it (never below
+    ``floor_share`` of the step: what the advice does not touch) and the title's phrase, through the
+    report's one helper (:func:`~resource_guard.report.gains.bounded_gain`)."""
+    step_s = _step_s(s)
     if step_s is None:
-        return None, ""
-    share = min(max(share, 0.0), 0.95)  # bounded: the rest of the step stays
-    predicted = step_s * (1.0 - share)
-    speedup = 1.0 / (1.0 - share)
-    faster = f"{speedup:.1f}x as fast" if speedup >= 2.0 else f"about {speedup - 1.0:.0%} faster"
-    return predicted, f"; without it the step would take about {predicted * 1e3:.1f} ms ({faster})"
+        return min(max(share, 0.0), 1.0), None, ""
+    gain = bounded_gain(step_s, share * step_s, floor_s=floor_share * step_s)
+    phrase = f"; without it the step would take about {gain.predicted_step_s * 1e3:.1f} ms ({gain.text})"
+    return gain.share, gain.predicted_step_s, phrase
+
+
+def _compute_floor_share(s: RunStats) -> float:
+    """Forward + backward + optimizer over the step (0 without phases): what a cause outside them leaves."""
+    step_s = s.step_time_s
+    return compute_floor_s(s.phases) / step_s if step_s else 0.0
+
+
+def _other_ops_share(p: ProfileSummary, name: str, step_s: float | None) -> float:
+    """The share of the step in the op classes other than ``name``: the ops the advice does not touch.
+    The classes are scaled to fit the step when together they measured longer (the profiler's timing of
+    each op against the untraced step)."""
+    classes = dict(p.op_class_us)
+    total_us = sum(classes.values())
+    step_us = step_s * 1e6 if step_s else (p.step_wall_us or 0.0)
+    if total_us <= 0 or step_us <= 0:
+        return 0.0
+    scale = min(1.0, step_us / total_us)
+    return (total_us - classes.get(name, 0.0)) * scale / step_us
 
 
 def _sites(rows: Any) -> list[str]:
@@ -91,7 +116,10 @@ def rule_casts(s: RunStats) -> Finding | None:
     share = p.class_share("casts", s.step_time_s) if p is not None else None
     if p is None or share is None or share < CASTS_SHARE:
         return None
-    predicted, faster = _faster(_step_s(s), share)
+    # the other op classes stay: scaled together with the casts into the step, they are the floor
+    floor = _other_ops_share(p, "casts", s.step_time_s)
+    share = min(share, 1.0 - floor)
+    share, predicted, faster = _gain(s, share, floor)
     sites = _sites(p.cast_sites)
     advice = [
         "Move casts and copies out of the loop: convert inputs once in the Dataset or collate_fn, "
@@ -130,7 +158,8 @@ def rule_host_sync(s: RunStats) -> Finding | None:
     share = p.sync_idle_us / p.step_wall_us
     if share < HOST_SYNC_SHARE:
         return None
-    predicted, faster = _faster(_step_s(s), share)
+    # the kernels themselves stay: the device's busy time is the floor
+    share, predicted, faster = _gain(s, share, min(1.0, p.device_busy_us / p.step_wall_us))
     sites = _sites(p.sync_sites)
     advice = [
         "Keep values on the device between steps: accumulate the loss as a tensor (running += "
@@ -163,7 +192,8 @@ def rule_threads(s: RunStats) -> Finding | None:
         # the probe ran Python between its ops in the step's proportion (``ops_share``): its slowdown
         # is the step's; a probe of ops alone (no profiled step) is what the step spends in ops
         share = 1.0 - 1.0 / slowdown
-    predicted, faster = _faster(_step_s(s), share or 0.0)
+    measured, predicted, faster = _gain(s, share or 0.0)
+    share = None if share is None else measured
     advice = [
         f"Call torch.set_num_threads({fit}) (or set OMP_NUM_THREADS={fit}) in each training process: "
         f"{t['cores']} cores shared by {procs} process(es) with {workers} DataLoader worker(s) each.",
@@ -189,7 +219,7 @@ def rule_recompiles(s: RunStats) -> Finding | None:
     if not c or not (c.get("recompiles") or c.get("graph_breaks")):
         return None
     recompile_s = float(c.get("recompile_s") or 0.0)
-    share = recompile_s / s.duration_s if s.duration_s else 0.0
+    share = min(1.0, recompile_s / s.duration_s) if s.duration_s else 0.0
     advice = []
     guards = list(c.get("failed_guards") or ())
     if guards:
@@ -219,8 +249,7 @@ def rule_recompiles(s: RunStats) -> Finding | None:
     if share < RECOMPILE_SHARE or not c.get("recompiles"):
         what = f"{c.get('recompiles', 0)} recompilation(s), {c.get('graph_breaks', 0)} graph break(s)"
         return Finding("recompiles", "info", f"torch.compile: {what}", evidence, tuple(advice), None)
-    step = _step_s(s)
-    predicted, faster = _faster(step, share)
+    share, predicted, faster = _gain(s, share, _compute_floor_share(s))
     title = f"Recompiles: {c['recompiles']} torch.compile recompilations took {share:.0%} of the run{faster}"
     return Finding("recompiles", "warning", title, evidence, tuple(advice), predicted)
 
@@ -233,7 +262,7 @@ def rule_comm_bound(s: RunStats) -> Finding | None:
     share = p.exposed_comm_us / p.step_wall_us
     if share < COMM_BOUND_SHARE:
         return None
-    predicted, faster = _faster(_step_s(s), share)
+    share, predicted, faster = _gain(s, share, _compute_floor_share(s))
     hidden = 1.0 - p.exposed_comm_us / p.comm_us if p.comm_us else 0.0
     advice = (
         "Overlap more of the gradient all-reduce with backward: a smaller DDP bucket_cap_mb (e.g. 10 "

@@ -24,6 +24,10 @@ Thresholds (module constants, each with its reason):
   logging every k-th time) aims for: k is the smallest interval that brings the phase below it.
 - ``CRITICAL_TIME_SHARE`` (25%): from this share the finding is critical (a quarter of the run).
 
+Every prediction goes through :func:`resource_guard.report.gains.bounded_gain`: the phase is clipped to
+the step, and the predicted step never falls below forward + backward + optimizer (for the optimizer-step
+rule, the part of the optimizer phase it does not remove).
+
 Example:
     >>> phases = {"forward": 0.01, "backward": 0.02, "optimizer": 0.005, "evaluation": 0.015}
     >>> f = rule_evaluation(RunStats(steps=100, step_time_s=0.05, phases=phases))
@@ -37,6 +41,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from resource_guard.report.gains import bounded_gain, compute_floor_s, faster_text
 from resource_guard.report.types import Finding, RunStats
 
 __all__ = [
@@ -80,28 +85,10 @@ def phase_share(s: RunStats, phase: str) -> tuple[float, float] | None:
     return seconds, seconds / s.step_time_s
 
 
-def faster_text(step_s: float, predicted_s: float) -> str:
-    """``"about N% faster"`` (throughput: the step time ratio minus one).
-
-    >>> faster_text(0.1, 0.05)
-    'about 100% faster'
-    """
-    return f"about {step_s / max(predicted_s, 1e-12) - 1:.0%} faster"
-
-
 def _severity(share: float, gain_share: float) -> str:
     if gain_share < MIN_GAIN_SHARE:
         return "info"
     return "critical" if share >= CRITICAL_TIME_SHARE else "warning"
-
-
-def _predicted(s: RunStats, removed_s: float) -> float:
-    """The step without ``removed_s``, bounded below by the forward and backward (the critical path
-    the advice does not touch)."""
-    assert s.step_time_s is not None
-    phases: Mapping[str, float] = s.phases or {}
-    floor = float(phases.get("forward", 0.0)) + float(phases.get("backward", 0.0))
-    return max(s.step_time_s - removed_s, floor, 1e-9)
 
 
 def _every_k(share: float) -> int:
@@ -128,26 +115,29 @@ def _finding(
     measured = phase_share(s, phase)
     if measured is None or measured[1] < threshold:
         return None
-    seconds, share = measured
     assert s.step_time_s is not None
+    # the phase clipped to the step (a share is at most 100%), the floor what the advice does not touch
+    seconds = bounded_gain(s.step_time_s, measured[0]).part_s
+    share = seconds / s.step_time_s
     k = _every_k(share)
-    removed_s = removed(k, seconds)
-    predicted = _predicted(s, removed_s)
-    faster = faster_text(s.step_time_s, predicted)
-    gain = 1.0 - predicted / s.step_time_s
+    removed_s = min(removed(k, seconds), seconds)
+    floor = compute_floor_s(s.phases, without={phase: removed_s} if phase == "optimizer" else None)
+    gain = bounded_gain(s.step_time_s, removed_s, floor_s=floor)
+    predicted, faster = gain.predicted_step_s, gain.text
     evidence = {  # the first key ending in "share" is what the cause costs: the phase, or ``cause``'s part
-        **({f"{cause}_share": round(removed_s / s.step_time_s, 4)} if cause else {}),
+        **({f"{cause}_share": round(gain.share, 4)} if cause else {}),
         f"{phase}_share": round(share, 4),
         f"{phase}_s_per_step": seconds,
         "step_time_s": s.step_time_s,
         "predicted_step_s": predicted,
-        "predicted_gain_share": round(gain, 4),
+        "floor_step_s": floor,
+        "predicted_gain_share": round(gain.removed_s / s.step_time_s, 4),
         **(extra or {}),
     }
     return Finding(
         finding_id,
-        _severity(share, gain),
-        f"{title.format(share=share, cause_share=removed_s / s.step_time_s)}; {faster} without it",
+        _severity(share, gain.removed_s / s.step_time_s),
+        f"{title.format(share=share, cause_share=gain.share)}; {faster} without it",
         evidence,
         tuple(advice(k, faster)),
         predicted,

@@ -33,9 +33,10 @@ from collections.abc import Callable
 from typing import Any
 
 from resource_guard.devices import format_bytes
+from resource_guard.report.gains import bounded_gain, compute_floor_s, faster_text
 from resource_guard.report.memory_rules import rule_fragmentation, rule_memory_growth
 from resource_guard.report.op_rules import OP_RULES
-from resource_guard.report.phase_rules import MIN_GAIN_SHARE, PHASE_RULES, faster_text
+from resource_guard.report.phase_rules import MIN_GAIN_SHARE, PHASE_RULES
 from resource_guard.report.shape_findings import rule_shapes
 from resource_guard.report.types import Finding, RunStats
 
@@ -82,6 +83,7 @@ def rule_input_bound(s: RunStats) -> Finding | None:
     threshold = s.stall_threshold if s.phases is None else max(s.stall_threshold, MIN_GAIN_SHARE)
     if share is None or share < threshold:
         return None
+    share = min(share, 1.0)  # a share is at most the step it is a share of
     info = dict(s.loader_info)
     workers = info.get("num_workers")
     cores = s.available_cores
@@ -131,15 +133,20 @@ def rule_input_bound(s: RunStats) -> Finding | None:
         "available_cores": cores,
         "cpu_count": s.cpu_count,
     }
-    title = f"Input-bound: {share:.0%} of the step time was spent waiting for the next batch"
     predicted = None
-    wait = s.phases.get("data_wait") if s.phases else s.data_wait_s
-    if s.step_time_s and wait is not None:
-        # workers load while the step computes: the wait goes, down to the step's own forward and backward
-        floor = sum(float((s.phases or {}).get(p) or 0.0) for p in ("forward", "backward"))
-        predicted = max(s.step_time_s - wait, floor, 1e-9)
-        title += f"; {faster_text(s.step_time_s, predicted)} without it"
+    if s.step_time_s:
+        # workers load while the step computes: the wait goes, down to the step's forward, backward and
+        # optimizer; the wait is the loader's own __next__ (phases), else the interval share of the step
+        wait = s.phases.get("data_wait", 0.0) if s.phases else share * s.step_time_s
+        gain = bounded_gain(s.step_time_s, wait, floor_s=compute_floor_s(s.phases))
+        share = gain.share
+        predicted = gain.predicted_step_s
+        evidence["data_wait_share"] = round(share, 4)
         evidence["predicted_step_s"] = predicted
+        evidence["floor_step_s"] = gain.floor_s
+    title = f"Input-bound: {share:.0%} of the step time was spent waiting for the next batch"
+    if predicted is not None:
+        title += f"; {faster_text(s.step_time_s or 0.0, predicted)} without it"
     return Finding("input-bound", severity, title, evidence, tuple(advice), predicted)
 
 
