@@ -11,7 +11,7 @@ import pytest
 
 from resource_guard.report import gains
 from resource_guard.report.findings import analyze
-from resource_guard.report.gains import bounded_gain, compute_floor_s, faster_text
+from resource_guard.report.gains import UNMEASURED_FLOOR_SHARE, bounded_gain, compute_floor_s, faster_text
 from resource_guard.report.op_rules import (
     rule_casts,
     rule_comm_bound,
@@ -50,7 +50,8 @@ def test_a_part_longer_than_the_step_is_the_whole_step_and_the_floor_stays() -> 
 def test_one_wording_from_the_predicted_step() -> None:
     assert faster_text(0.1, 0.08) == "about 25% faster"
     assert faster_text(0.1, 0.05) == "2.0x as fast"
-    assert compute_floor_s(None) == 0.0
+    assert compute_floor_s(None) is None
+    assert bounded_gain(0.1, 0.5).predicted_step_s == pytest.approx(0.1 * UNMEASURED_FLOOR_SHARE)
     assert compute_floor_s(COMPUTE, without={"optimizer": 1.0}) == pytest.approx(0.03)
 
 
@@ -79,7 +80,7 @@ def _oversized() -> list[tuple[str, Callable[[RunStats], Finding | None], RunSta
             "input-bound (no phases)",
             rule_input_bound,
             RunStats(steps=50, step_time_s=STEP, data_wait_s=big, data_wait_share=big / STEP),
-            0.0,
+            STEP * UNMEASURED_FLOOR_SHARE,  # no phases: at most 20x as fast
         ),
         ("host-loop", rule_host_loop, RunStats(steps=50, step_time_s=STEP, phases=_phases(host=big)), FLOOR),
         (
@@ -145,7 +146,7 @@ def _oversized() -> list[tuple[str, Callable[[RunStats], Finding | None], RunSta
                     "slowdown": 1e9,
                 },
             ),  # fmt: skip
-            0.0,
+            STEP * UNMEASURED_FLOOR_SHARE,
         ),
         (
             "recompiles",
@@ -190,8 +191,7 @@ def test_every_rule_fed_more_than_the_step_states_a_possible_gain(
     assert floor - 1e-9 <= f.predicted_step_s <= step
     ratio = step / f.predicted_step_s
     assert faster_text(step, f.predicted_step_s) in f.title  # the one wording, from the predicted step
-    if floor > 0:
-        assert ratio <= step / floor + 1e-9
+    assert ratio <= step / floor + 1e-9
 
 
 def test_the_report_ranks_bounded_findings() -> None:

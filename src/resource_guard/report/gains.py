@@ -22,10 +22,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["COMPUTE_PHASES", "Gain", "bounded_gain", "compute_floor_s", "faster_text"]
+__all__ = [
+    "COMPUTE_PHASES",
+    "UNMEASURED_FLOOR_SHARE",
+    "Gain",
+    "bounded_gain",
+    "compute_floor_s",
+    "faster_text",
+]
 
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
 """The phases no schedule, loader or logging advice removes: the step's floor."""
+UNMEASURED_FLOOR_SHARE = 0.05
+"""Where the floor was not measured (no phases, no op classes), the predicted step keeps this share of the
+step: at most 20x as fast, as no advice removes a step's own work entirely."""
 
 
 @dataclass(frozen=True)
@@ -64,15 +74,15 @@ def faster_text(step_s: float, predicted_s: float) -> str:
 
 def compute_floor_s(
     phases: Mapping[str, float] | None, *, without: Mapping[str, float] | None = None
-) -> float:
-    """Forward + backward + optimizer per step (0 when the phases were not measured); ``without`` takes a
-    part off one of them (the optimizer-step rule removes part of the optimizer phase).
+) -> float | None:
+    """Forward + backward + optimizer per step (``None`` when the phases were not measured); ``without``
+    takes a part off one of them (the optimizer-step rule removes part of the optimizer phase).
 
     >>> compute_floor_s({"forward": 0.01, "backward": 0.02, "optimizer": 0.01}, without={"optimizer": 0.004})
     0.036
     """
     if not phases:
-        return 0.0
+        return None
     less = without or {}
     return sum(max(0.0, float(phases.get(p) or 0.0) - float(less.get(p) or 0.0)) for p in COMPUTE_PHASES)
 
@@ -82,7 +92,7 @@ def bounded_gain(
     part_s: float,
     *,
     interval_s: float | None = None,
-    floor_s: float = 0.0,
+    floor_s: float | None = None,
     removable: float = 1.0,
 ) -> Gain:
     """The gain of removing ``removable`` of ``part_s`` (seconds per step) from a step of ``step_s``.
@@ -91,7 +101,8 @@ def bounded_gain(
         step_s: the step the share is of (> 0).
         part_s: the measured part; clipped to ``interval_s`` (the interval it was measured in, when not
             the step) and to the step.
-        floor_s: the predicted step never falls below it (clipped to the step).
+        floor_s: the predicted step never falls below it (clipped to the step); ``None`` (not measured):
+            :data:`UNMEASURED_FLOOR_SHARE` of the step.
         removable: the fraction of the part the advice removes (a cheaper schedule removes ``1 - 1/k``).
 
     Example:
@@ -104,7 +115,7 @@ def bounded_gain(
     if interval_s is not None:
         part = min(part, max(0.0, float(interval_s)))
     part = min(part, step)
-    floor = min(max(0.0, float(floor_s)), step)
+    floor = step * UNMEASURED_FLOOR_SHARE if floor_s is None else min(max(0.0, float(floor_s)), step)
     cut = part * min(max(float(removable), 0.0), 1.0)
     predicted = max(step - cut, floor, 1e-9)
     return Gain(

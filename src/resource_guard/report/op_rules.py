@@ -75,25 +75,27 @@ def _step_s(s: RunStats) -> float | None:
     return p.step_wall_us / 1e6 if p is not None and p.step_wall_us else None
 
 
-def _gain(s: RunStats, share: float, floor_share: float = 0.0) -> tuple[float, float | None, str]:
+def _gain(s: RunStats, share: float, floor_share: float | None = None) -> tuple[float, float | None, str]:
     """The cause's share of the step clipped to [0, 1], the step predicted without it (never below
     ``floor_share`` of the step: what the advice does not touch) and the title's phrase, through the
     report's one helper (:func:`~resource_guard.report.gains.bounded_gain`)."""
     step_s = _step_s(s)
     if step_s is None:
         return min(max(share, 0.0), 1.0), None, ""
-    gain = bounded_gain(step_s, share * step_s, floor_s=floor_share * step_s)
+    floor_s = None if floor_share is None else floor_share * step_s
+    gain = bounded_gain(step_s, share * step_s, floor_s=floor_s)
     phrase = f"; without it the step would take about {gain.predicted_step_s * 1e3:.1f} ms ({gain.text})"
     return gain.share, gain.predicted_step_s, phrase
 
 
-def _compute_floor_share(s: RunStats) -> float:
-    """Forward + backward + optimizer over the step (0 without phases): what a cause outside them leaves."""
-    step_s = s.step_time_s
-    return compute_floor_s(s.phases) / step_s if step_s else 0.0
+def _compute_floor_share(s: RunStats) -> float | None:
+    """Forward + backward + optimizer over the step (``None`` without phases): what a cause outside them
+    leaves."""
+    step_s, floor_s = s.step_time_s, compute_floor_s(s.phases)
+    return floor_s / step_s if step_s and floor_s is not None else None
 
 
-def _other_ops_share(p: ProfileSummary, name: str, step_s: float | None) -> float:
+def _other_ops_share(p: ProfileSummary, name: str, step_s: float | None) -> float | None:
     """The share of the step in the op classes other than ``name``: the ops the advice does not touch.
     The classes are scaled to fit the step when together they measured longer (the profiler's timing of
     each op against the untraced step)."""
@@ -101,7 +103,7 @@ def _other_ops_share(p: ProfileSummary, name: str, step_s: float | None) -> floa
     total_us = sum(classes.values())
     step_us = step_s * 1e6 if step_s else (p.step_wall_us or 0.0)
     if total_us <= 0 or step_us <= 0:
-        return 0.0
+        return None
     scale = min(1.0, step_us / total_us)
     return (total_us - classes.get(name, 0.0)) * scale / step_us
 
@@ -118,7 +120,7 @@ def rule_casts(s: RunStats) -> Finding | None:
         return None
     # the other op classes stay: scaled together with the casts into the step, they are the floor
     floor = _other_ops_share(p, "casts", s.step_time_s)
-    share = min(share, 1.0 - floor)
+    share = min(share, 1.0 - (floor or 0.0))
     share, predicted, faster = _gain(s, share, floor)
     sites = _sites(p.cast_sites)
     advice = [

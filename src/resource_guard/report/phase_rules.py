@@ -121,7 +121,8 @@ def _finding(
     share = seconds / s.step_time_s
     k = _every_k(share)
     removed_s = min(removed(k, seconds), seconds)
-    floor = compute_floor_s(s.phases, without={phase: removed_s} if phase == "optimizer" else None)
+    clipped = {**(s.phases or {}), phase: seconds}  # the phase as a share of the step counts it
+    floor = compute_floor_s(clipped, without={phase: removed_s} if phase == "optimizer" else None)
     gain = bounded_gain(s.step_time_s, removed_s, floor_s=floor)
     predicted, faster = gain.predicted_step_s, gain.text
     evidence = {  # the first key ending in "share" is what the cause costs: the phase, or ``cause``'s part
