@@ -73,7 +73,9 @@ def guarded(loop: Any, steps: int) -> dict[str, Any]:
     return {
         "loss": loss,
         "preflight_first": bool(seen and seen[0]),
-        "predicted": g.plan.estimate.peak_bytes if g.plan is not None else None,
+        # the plan's figure for the step as the loop runs it (refitted once the loop's later micro-steps
+        # start with gradients allocated); on the CPU, what the allocator holds at the peak
+        "predicted": g.plan.fit.allocated_peak_bytes if g.plan is not None else None,
         "method": g.plan.estimate.method if g.plan is not None else None,
         "steps": g.optimizer_steps,
         "accumulation": watch.get("accumulation"),

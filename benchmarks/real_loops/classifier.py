@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -30,12 +32,14 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adadelta(model.parameters(), lr=1.0)
 
 
-def loader(seed: int, batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g))
-        for _ in range(batches)
-    ]
+class loader:  # noqa: N801 (a DataLoader's part: one batch made at a time, as its iterator does)
+    def __init__(self, seed: int, batches: int) -> None:
+        self.seed, self.batches = seed, batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.batches):
+            yield torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> float:

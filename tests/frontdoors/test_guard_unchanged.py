@@ -297,3 +297,60 @@ def test_an_autocasting_unchanged_loop_is_planned_in_its_autocast() -> None:
         loss.backward()
         optimizer.step()
     assert g.plan is not None and g.plan.precision == "bf16-mixed"
+
+
+def accumulation_loop_peak_bytes(steps: int, accumulation: int) -> int:
+    """The real CPU peak of ``nanogpt_loop`` as written on ``BigVocab`` (torch.profiler's memory records)."""
+    import gc
+
+    from resource_guard.estimate.host.measure import allocation_deltas, live_bytes, peak_of
+    from resource_guard.estimate.host.quiet import quiet_profile
+
+    model, optimizer = big_vocab()
+    gc.collect()
+    start = live_bytes(model, optimizer)
+    with quiet_profile() as prof:
+        nanogpt_loop(model, optimizer, steps, accumulation)  # type: ignore[arg-type]
+    return start + peak_of(allocation_deltas(prof))
+
+
+def big_vocab() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = BigVocab(vocab=VOCAB)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_the_loops_own_accumulation_is_predicted_with_its_gradients_allocated() -> None:
+    """Micro-steps 2..k of the loop's own accumulation run with every gradient allocated: once the loop
+    shows it (its second forward before a step), the plan is refitted for them, and the prediction is
+    never below the loop's real peak (within 2%)."""
+    real = accumulation_loop_peak_bytes(steps=2, accumulation=3)
+    model, optimizer = big_vocab()
+    with guard(model, optimizer, monitor=False) as g:
+        nanogpt_loop(model, optimizer, steps=2, accumulation=3)  # type: ignore[arg-type]
+    assert g.plan is not None
+    first_step = g.plan.estimate.peak_bytes
+    predicted = g.plan.fit.allocated_peak_bytes
+    assert first_step < real <= predicted <= real * 1.02
+    assert any("forward 2 of a step with the gradients allocated" in line for line in g.plan.reasons)
+    assert g.summary()["observed"]["gradients_kept_from_forward"] == 2
+
+
+def test_accumulation_that_does_not_fit_stops_before_its_second_forward() -> None:
+    """A first micro-step that fits and later ones (gradients allocated) that do not: the guard stops
+    the loop before the second forward runs, with the figures of both."""
+    model, optimizer = big_vocab()
+    with guard(model, optimizer, monitor=False) as g:
+        nanogpt_loop(model, optimizer, steps=1, accumulation=1)  # type: ignore[arg-type]
+    assert g.plan is not None
+    first = g.plan.fit.allocated_peak_bytes
+    later = g.plan.estimate.for_device(g.plan.device, headroom=0.1, gradients_kept=True).allocated_peak_bytes
+    limit = int((first + later) / 2 / 0.9)  # between the two, headroom 0.1
+    model, optimizer = big_vocab()
+    calls: list[int] = []
+    with pytest.raises(DoesNotFitError, match="forward 2 of a step with the gradients allocated"):
+        with guard(model, optimizer, monitor=False, memory_limit=limit):
+            # after the guard's own pre-hook, on this model only (the pre-flight traces a copy)
+            model.register_forward_pre_hook(lambda m, _: calls.append(1) if m is model else None)
+            nanogpt_loop(model, optimizer, steps=2, accumulation=2)  # type: ignore[arg-type]
+    assert len(calls) == 1  # the first micro-step ran; the second never started

@@ -224,7 +224,7 @@ class Guard:
         if self._sample_batch is not None:
             self._setup(self._sample_batch)
         else:  # until the loop calls g.iterate: watch it as it is (frontdoors/guard/observed.py)
-            self._watch = LoopWatch(self.model, self.optimizers, self._setup_observed)
+            self._watch = LoopWatch(self.model, self.optimizers, self._setup_observed, self._gradients_kept)
             self._watch.install()
         return self
 
@@ -314,6 +314,14 @@ class Guard:
             )
             self._clock = self._monitor.phases if self._monitor is not None else None
             watch.monitor, watch.clock, watch.flops_per_sample = self._monitor, self._clock, per_sample
+
+    def _gradients_kept(self, forward: int) -> None:
+        """The unchanged loop's first forward on gradients kept: its later micro-steps' peak, refitted."""
+        from resource_guard.frontdoors.guard.observed import gradients_kept_plan
+
+        if self.plan is not None:
+            self.plan, line = gradients_kept_plan(self.plan, forward)
+            self._call_monitor("note", line)
 
     def _start_shape_guard(self, batch: Any, loss_fn: LossFn, loader: Any) -> None:
         from resource_guard.frontdoors.shape_guard import start_shape_guard

@@ -50,7 +50,15 @@ from resource_guard.step.training import (
     iter_tensors,
 )
 
-__all__ = ["LoopLoss", "LoopWatch", "forward_batch", "loop_precision", "outputs_as_kept", "plan_as_run"]
+__all__ = [
+    "LoopLoss",
+    "LoopWatch",
+    "forward_batch",
+    "gradients_kept_plan",
+    "loop_precision",
+    "outputs_as_kept",
+    "plan_as_run",
+]
 
 _clock = time.perf_counter
 _TRUE = {torch.float64: "64-true", torch.bfloat16: "bf16-true", torch.float16: "16-true"}
@@ -114,11 +122,11 @@ class LoopLoss(StandInLoss):
         self.both, self.loss_fn = both, loss_fn
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        if self.loss_fn is not None:
-            own = _returned_loss(model(*batch[0], **batch[1]) if self.both else _call(model, batch))
-            return own if own is not None else _as_loss(self.loss_fn(model, batch))
         output = model(*batch[0], **batch[1]) if self.both else _call(model, batch)
+        _hold_next_batch(output, batch)
         own = _returned_loss(output)
+        if self.loss_fn is not None:
+            return own if own is not None else _as_loss(self.loss_fn(model, batch))
         if own is not None:
             return own
         tensors = _standin_tensors(output)
@@ -132,6 +140,15 @@ class LoopLoss(StandInLoss):
 
     def __repr__(self) -> str:
         return "LoopLoss()"
+
+
+def _hold_next_batch(output: Any, batch: Any) -> None:
+    """The next batch, alive beside the step: nanoGPT's loop fetches it between forward and backward,
+    a loader's iterator yields it while the last one is still bound. A copy of the batch's tensors rides
+    on the first output tensor, so it lives as long as the loop keeps the outputs (``keep_outputs``)."""
+    first = next(iter(iter_tensors(output)), None)
+    if first is not None:
+        first._resource_guard_next_batch = [t.clone() for t in iter_tensors(batch)]  # type: ignore[attr-defined]
 
 
 def _call(model: nn.Module, batch: Any) -> Any:
@@ -182,6 +199,10 @@ class LoopWatch:
         optimizers: the guard's optimizers.
         first_forward: called with the first training forward's ``(args, kwargs)`` before it runs (the
             pre-flight); a :class:`~resource_guard.errors.DoesNotFitError` it raises stops the loop.
+        gradients_kept: called once, before the first training forward that starts with gradients
+            allocated (the loop's own accumulation: micro-steps 2..k; or ``zero_grad(set_to_none=False)``),
+            with that forward's number within its step (1-based); it may raise ``DoesNotFitError`` too.
+            Looked for in the loop's first three steps.
 
     The guard sets :attr:`monitor` (its ``batch_ready``/``step_end`` are called) and :attr:`clock` (the
     monitor's phase clock) once the run is planned.
@@ -192,8 +213,11 @@ class LoopWatch:
         model: nn.Module,
         optimizers: tuple[torch.optim.Optimizer, ...],
         first_forward: Callable[[tuple[Any, ...], dict[str, Any]], None],
+        gradients_kept: Callable[[int], None] | None = None,
     ) -> None:
         self.model, self.optimizers, self._first_forward = model, optimizers, first_forward
+        self._gradients_kept = gradients_kept
+        self.grads_kept_at: int | None = None  # the forward of a step that first ran on gradients kept
         self.monitor: Any = None
         self.clock: Any = None
         self.flops_per_sample: float | None = None  # for MFU, once a step's samples are known
@@ -266,6 +290,14 @@ class LoopWatch:
                 return
             self.forwards += 1
             self._step_forwards += 1
+            if self.grads_kept_at is None and self.steps < 3 and self._grads_allocated():
+                self.grads_kept_at = self._step_forwards
+                if self._gradients_kept is not None:
+                    self._inside = True
+                    try:
+                        self._gradients_kept(self._step_forwards)
+                    finally:
+                        self._inside = False
             if self.clock is not None:
                 self._end_backward()  # an accumulating loop: the previous micro-batch's backward
                 self.clock.switch("forward")
@@ -277,6 +309,9 @@ class LoopWatch:
             raise  # the pre-flight's verdict: stop before this forward runs
         except Exception as error:
             self._fail(error)
+
+    def _grads_allocated(self) -> bool:
+        return any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
 
     def _after_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self.broken or self._inside or self._in_step or module is not self.model:
@@ -384,6 +419,7 @@ class LoopWatch:
             "closure_forwards": self.closure_forwards,
             "eval_forwards": self.eval_forwards,
             "samples_per_step": self.samples_per_step,
+            "gradients_kept_from_forward": self.grads_kept_at,
             "watch_failed": self.broken,
         }
 
@@ -437,3 +473,32 @@ def plan_as_run(
             made,
         )
     return made, device, loss
+
+
+def gradients_kept_plan(plan: Any, forward: int) -> tuple[Any, str]:
+    """``plan`` refitted for the loop's later micro-steps, which start with the gradients allocated (its
+    own accumulation, or gradients zeroed instead of freed), and the report's line saying so.
+
+    Raises:
+        DoesNotFitError: those micro-steps are predicted not to fit (before the forward that starts
+            the first of them runs).
+    """
+    import dataclasses
+
+    fit = plan.estimate.for_device(plan.device, headroom=plan.headroom, gradients_kept=True)
+    mib = 2**20
+    line = (
+        f"the loop runs forward {forward} of a step with the gradients allocated (its own gradient "
+        "accumulation, or gradients zeroed instead of freed): predicted peak "
+        f"{fit.allocated_peak_bytes / mib:,.2f} MiB (a step that starts without them: "
+        f"{plan.fit.allocated_peak_bytes / mib:,.2f} MiB)"
+    )
+    made = dataclasses.replace(plan, fit=fit, reasons=(*plan.reasons, line))
+    if not fit.fits:
+        raise DoesNotFitError(
+            f"{line}; that does not fit {fit.device.name} ({fit.usable_bytes / mib:,.1f} MiB usable). "
+            "Lower the micro-batch, or let the guard split the batch: loop `for batch in "
+            "g.iterate(loader):` and call `g.backward(loss)`.\n\n" + made.summary(),
+            made,
+        )
+    return made, line
