@@ -447,7 +447,32 @@ def _parser() -> argparse.ArgumentParser:
     shown = rep.add_mutually_exclusive_group()
     shown.add_argument("--json", action="store_true", help="print report.json instead of the tables")
     shown.add_argument("--markdown", action="store_true", help="print the report as Markdown (report.md)")
+    cmp = sub.add_parser(
+        "compare",
+        help="compare two finished runs: step time, phases, memory, findings",
+        description="What changed from RUN_A to RUN_B: step time, each phase (ms per step, the largest "
+        "change first), peak memory and the estimate (MiB), and the findings that appeared or went. "
+        "Each run is a report.json, a run's log dir, or a log dir with a report.json below it. "
+        "Exit 2 when either has no readable report.",
+    )
+    cmp.add_argument("run_a", help="the first run (the baseline)")
+    cmp.add_argument("run_b", help="the second run")
+    cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
     return parser
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from resource_guard.tensorboard_plugin.compare import compare_reports, compare_text, load_report
+
+    a, b = load_report(args.run_a), load_report(args.run_b)
+    if a is None or b is None:
+        path = args.run_a if a is None else args.run_b
+        raise _BadInput(f"no readable report.json in {path!r} (is it the log dir of a finished run?)")
+    if args.json:
+        print(json.dumps(compare_reports(a, b), indent=2))
+    else:
+        print(compare_text(a, b, args.run_a, args.run_b))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -457,7 +482,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed its usage message
         return 2 if exc.code not in (0, None) else 0
-    handler = {"preflight": _preflight, "devices": _devices, "report": _report, "demo": _demo}[args.command]
+    handler = {
+        "preflight": _preflight,
+        "devices": _devices,
+        "report": _report,
+        "demo": _demo,
+        "compare": _compare,
+    }[args.command]
     try:
         return handler(args)
     except (_BadInput, ResourceGuardError) as exc:

@@ -1,0 +1,293 @@
+"""What each view of the Resource Guard tab shows, as JSON-ready dicts in the units people read (ms,
+MiB, %): :func:`overview`, :func:`step_time`, :func:`memory` and :func:`plan`. Plain functions of a
+run's files (:mod:`resource_guard.tensorboard_plugin.runs`); the plugin only serves them.
+
+Unknown is ``None``. Names carry their unit: ``step_ms``, ``share_pct``, ``capacity_mib``.
+
+Example:
+    >>> ranked_findings({"findings": [], "summary": {}})
+    []
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from resource_guard.report.types import PHASES
+from resource_guard.tensorboard_plugin.runs import RunEvents, RunFiles, load_events, read_json
+
+__all__ = ["MiB", "overview", "ranked_findings", "step_time", "memory", "plan", "verdict_words"]
+
+MiB = 1024**2
+_SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+PHASE_LABELS = {
+    "data_wait": "data wait",
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer": "optimizer",
+    "host": "host (between steps)",
+    "evaluation": "evaluation",
+    "checkpoint": "checkpoint",
+    "logging": "logging",
+    "communication": "communication",
+    "other": "other",
+}
+
+
+def _ms(seconds: Any) -> float | None:
+    return None if seconds is None else round(float(seconds) * 1000.0, 3)
+
+
+def _mib(n_bytes: Any) -> float | None:
+    return None if n_bytes is None else round(float(n_bytes) / MiB, 2)
+
+
+def _pct(fraction: Any) -> float | None:
+    return None if fraction is None else round(float(fraction) * 100.0, 2)
+
+
+def _share(evidence: Mapping[str, Any]) -> float | None:
+    """The finding's measured share of the step: its first evidence key ending in ``share``."""
+    for key, value in evidence.items():
+        if key.endswith("share") and isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+def _call_sites(evidence: Mapping[str, Any]) -> list[str]:
+    sites: list[str] = []
+    for key, value in evidence.items():
+        if key.endswith("sites") and isinstance(value, list):
+            sites.extend(str(v) for v in value)
+    return sites
+
+
+def ranked_findings(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The report's findings ranked by the time they cost (step time minus the predicted step), those
+    not about time after them by severity; each with its share, predicted gain, fix and call sites."""
+    step_s = (report.get("summary") or {}).get("step_time_s")
+    rows = []
+    for f in report.get("findings") or ():
+        evidence = f.get("evidence") or {}
+        predicted = f.get("predicted_step_s")
+        cost_s = step_s - predicted if step_s is not None and predicted is not None else None
+        gain = step_s / predicted - 1 if step_s and predicted else None
+        share = _share(evidence)
+        rows.append(
+            {
+                "id": f.get("id"),
+                "severity": f.get("severity"),
+                "title": f.get("title"),
+                "share_pct": _pct(share),
+                "cost_ms": _ms(cost_s),
+                "predicted_step_ms": _ms(predicted),
+                "gain_pct": _pct(gain),
+                "fix": list(f.get("advice") or ()),
+                "call_sites": _call_sites(evidence),
+                "evidence": evidence,
+            }
+        )
+    rows.sort(
+        key=lambda r: (
+            r["cost_ms"] is None,
+            -(r["cost_ms"] or 0.0),
+            _SEVERITY_ORDER.get(r["severity"], 3),
+        )
+    )
+    return rows
+
+
+def verdict_words(report: Mapping[str, Any]) -> str:
+    """The verdict as a sentence: the title of the finding the verdict names (``healthy``: no cause)."""
+    verdict = report.get("verdict")
+    findings = report.get("findings") or ()
+    chosen = next((f for f in findings if f.get("id") == verdict), None)
+    if chosen is not None and chosen.get("title"):
+        return str(chosen["title"])
+    if verdict in (None, "healthy"):
+        return "No bottleneck found: the step's time is spent computing."
+    return f"Verdict: {verdict}"
+
+
+def overview(run: RunFiles) -> dict[str, Any]:
+    """The verdict in words, the findings ranked by their cost, and the run's facts in units."""
+    report = read_json(run.report_path) or {}
+    guard_json = read_json(run.guard_path) or {}
+    s: Mapping[str, Any] = report.get("summary") or {}
+    peak_source = s.get("peak_memory_source")
+    facts = [
+        ("steps", s.get("steps"), ""),
+        ("step time", _ms(s.get("step_time_s")), "ms"),
+        ("data wait", _pct(s.get("data_wait_share")), "%"),
+        ("samples/s", _round(s.get("samples_per_s")), ""),
+        ("tokens/s", _round(s.get("tokens_per_s")), ""),
+        ("MFU", _pct(s.get("mfu")), "%"),
+        ("GPU utilization", _round(s.get("gpu_util_percent")), "%"),
+        ("process CPU", _round(s.get("process_cpu_percent")), "%"),
+        (
+            "peak memory (process RSS)" if peak_source == "rss" else "peak memory (allocated)",
+            _mib(s.get("peak_memory_bytes")),
+            "MiB",
+        ),
+        ("pre-flight estimate", _mib(s.get("estimated_peak_bytes")), "MiB"),
+        ("capacity", _mib(s.get("capacity_bytes")), "MiB"),
+        ("device", s.get("device_name") or s.get("device"), ""),
+        ("precision", s.get("precision"), ""),
+        ("run time", _round(s.get("duration_s") or guard_json.get("wall_s")), "s"),
+    ]
+    return {
+        "run": run.name,
+        "has_report": bool(report),
+        "verdict": report.get("verdict"),
+        "verdict_text": verdict_words(report) if report else "No report yet: the run has not finished.",
+        "findings": ranked_findings(report) if report else [],
+        "facts": [{"name": n, "value": v, "unit": u} for n, v, u in facts if v is not None],
+        "notes": list(s.get("notes") or ()),
+    }
+
+
+def _round(value: Any) -> float | None:
+    return None if value is None else round(float(value), 2)
+
+
+def step_time(run: RunFiles, events: RunEvents | None = None) -> dict[str, Any]:
+    """A bar per logged step split by phase (ms), the phases that are never zero as the series, and
+    the run's mean share table (``report.json``: the first step left out)."""
+    events = load_events(run) if events is None else events
+    report = read_json(run.report_path) or {}
+    by_phase = {p: dict(events.scalars.get(f"phase/{p}_s", ())) for p in PHASES}
+    steps = sorted({step for points in by_phase.values() for step in points})
+    series = [p for p in PHASES if any(v > 0 for v in by_phase[p].values())]
+    step_s = dict(events.scalars.get("time/step_s", ()))
+    bars = [
+        {
+            "step": step,
+            "step_ms": _ms(step_s.get(step)),
+            "phases_ms": {p: _ms(by_phase[p].get(step, 0.0)) for p in series},
+        }
+        for step in steps
+    ]
+    mean: Mapping[str, float] = (report.get("summary") or {}).get("phases") or {}
+    total = sum(mean.values())
+    table = [
+        {
+            "phase": p,
+            "label": PHASE_LABELS[p],
+            "ms": _ms(mean[p]),
+            "share_pct": _pct(mean[p] / total) if total else None,
+        }
+        for p in PHASES
+        if mean.get(p)
+    ]
+    return {
+        "run": run.name,
+        "series": series,
+        "labels": {p: PHASE_LABELS[p] for p in series},
+        "bars": bars,
+        "table": table,
+        "mean_step_ms": _ms((report.get("summary") or {}).get("step_time_s")),
+    }
+
+
+def memory(run: RunFiles, events: RunEvents | None = None) -> dict[str, Any]:
+    """Allocated/reserved (and the peak and RSS) over the logged steps in MiB, against the capacity the
+    plan used, its usable line and the pre-flight estimate."""
+    events = load_events(run) if events is None else events
+    report = read_json(run.report_path) or {}
+    guard_json = read_json(run.guard_path) or {}
+    s: Mapping[str, Any] = report.get("summary") or {}
+    planned: Mapping[str, Any] = guard_json.get("plan") or {}
+    names = {
+        "memory/allocated_bytes": "allocated",
+        "memory/reserved_bytes": "reserved",
+        "memory/peak_bytes": "interval peak (RSS on a CPU)"
+        if s.get("peak_memory_source") == "rss"
+        else "peak",
+        "host/process_rss_bytes": "process RSS",
+    }
+    series = [
+        {"tag": f"resource_guard/{tag}", "label": label, "points": [[st, _mib(v)] for st, v in points]}
+        for tag, label in names.items()
+        if (points := events.scalars.get(tag))
+    ]
+    if planned.get("capacity_bytes"):
+        capacity, source = planned["capacity_bytes"], "the plan's"
+    else:
+        capacity, source = s.get("capacity_bytes"), "the monitor's"
+    estimate = planned.get("predicted_peak_bytes") or s.get("estimated_peak_bytes")
+    return {
+        "run": run.name,
+        "series": series,
+        "capacity_mib": _mib(capacity),
+        "capacity_source": source if capacity is not None else None,
+        "usable_mib": _mib(planned.get("usable_bytes")),
+        "estimate_mib": _mib(estimate),
+        "estimate_source": "plan" if planned.get("predicted_peak_bytes") else "report" if estimate else None,
+        "measured_peak_mib": _mib(s.get("peak_memory_bytes") or guard_json.get("measured_peak_bytes")),
+        "peak_source": s.get("peak_memory_source"),
+        "picture": run.picture_path.is_file(),
+    }
+
+
+def plan(run: RunFiles, events: RunEvents | None = None) -> dict[str, Any]:
+    """The plan: configuration, reasons, alternatives, the estimate's method and target (``guard.json``);
+    the plan's text where only that was written (Lightning, the Trainer)."""
+    guard_json = read_json(run.guard_path) or {}
+    p: Mapping[str, Any] = guard_json.get("plan") or {}
+    if not p:
+        events = load_events(run) if events is None else events
+        text = events.texts.get("plan")
+        return {"run": run.name, "has_plan": text is not None, "markdown": text}
+    est: Mapping[str, Any] = p.get("estimate") or {}
+    config = [
+        ("device", p.get("device"), ""),
+        ("micro-batch", p.get("micro_batch_size"), ""),
+        ("accumulation steps", p.get("accumulation_steps"), ""),
+        ("world size", p.get("world_size"), ""),
+        ("strategy", p.get("strategy"), ""),
+        ("target batch", p.get("target_batch_size"), ""),
+        ("precision", p.get("precision"), ""),
+        ("activation checkpointing", _ckpt(p), ""),
+        ("predicted peak", _mib(p.get("predicted_peak_bytes")), "MiB"),
+        ("usable", _mib(p.get("usable_bytes")), "MiB"),
+        ("capacity", _mib(p.get("capacity_bytes")), "MiB"),
+        ("headroom", _pct(p.get("headroom")), "%"),
+        ("verdict", p.get("verdict"), ""),
+    ]
+    alternatives = [
+        {
+            "config": a.get("config"),
+            "fits": a.get("fits"),
+            "predicted_mib": _mib(a.get("predicted_peak_bytes")),
+            "relative_cost": _round(a.get("relative_cost")),
+            "chosen": bool(a.get("chosen")),
+        }
+        for a in p.get("alternatives") or ()
+    ]
+    method = [
+        ("method", est.get("method"), ""),
+        ("target", est.get("assumed_target"), ""),
+        ("peak phase", est.get("peak_phase"), ""),
+        ("peak op", est.get("peak_op"), ""),
+        ("allocated peak", _mib(est.get("peak_bytes")), "MiB"),
+        ("traces", p.get("traces"), ""),
+        ("trace time", _round(est.get("trace_seconds")), "s"),
+    ]
+    return {
+        "run": run.name,
+        "has_plan": True,
+        "configuration": [{"name": n, "value": v, "unit": u} for n, v, u in config if v is not None],
+        "reasons": list(p.get("reasons") or ()),
+        "alternatives": alternatives,
+        "estimate": [{"name": n, "value": v, "unit": u} for n, v, u in method if v is not None],
+        "warnings": list(est.get("warnings") or ()),
+    }
+
+
+def _ckpt(p: Mapping[str, Any]) -> str:
+    every = p.get("checkpoint_every") or 0
+    if not p.get("checkpointing"):
+        return "off"
+    modules = len(p.get("checkpointed_modules") or ())
+    return f"on ({modules} modules)" if every <= 1 else f"every {every} blocks ({modules} modules)"
