@@ -249,6 +249,7 @@ def build_monitor(
         },
         precision=made.precision,
         flops_per_step=flops_per_step,
+        phase_timing=True,  # switched at the Trainer's boundaries (frontdoors/hf_phases.py)
     )
     max_steps = int(getattr(state, "max_steps", 0) or 0)
     monitor.total_steps = max_steps * args.gradient_accumulation_steps if max_steps > 0 else None

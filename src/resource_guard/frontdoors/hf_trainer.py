@@ -62,6 +62,7 @@ from resource_guard.errors import (
 )
 from resource_guard.frontdoors import hf_step
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
+from resource_guard.frontdoors.hf_phases import TrainerPhases
 from resource_guard.frontdoors.hf_plan import render, say
 from resource_guard.frontdoors.hf_runtime import (
     ModelHook,
@@ -182,6 +183,7 @@ class ResourceGuardCallback(TrainerCallback):
         self._keys: dict[str, tuple[torch.Size, torch.dtype]] = {}  # the planned batch's tensors
         self._shapes: Any = None
         self._monitor: Any = None
+        self._phases: TrainerPhases | None = None  # switches the monitor's phase clock while training
         self._writer: Any = None
         self._eval_pending = True
         self._inside = False  # our own traces call the model: the hook ignores them
@@ -235,15 +237,29 @@ class ResourceGuardCallback(TrainerCallback):
             self._start_monitor(args, state, train_dataloader)
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._phases is not None:
+            self._phases.substep_end()
         if self._monitor is not None:
             self._monitor.step_end()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._phases is not None:
+            self._phases.step_end()
         if self._monitor is not None:
             self._monitor.step_end()
 
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._phases is not None:
+            self._phases.logged()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._phases is not None:
+            self._phases.saved()
+
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._eval_pending = True  # the next evaluation's first batch is checked (once per shape)
+        if self._phases is not None:
+            self._phases.evaluated()
 
     def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
         self._eval_pending = True
@@ -401,7 +417,11 @@ class ResourceGuardCallback(TrainerCallback):
         """After every forward, also one that raised (``always_call``: then ``output`` is ``None`` and the
         error is being handled): an out-of-memory error in training closes the run now, while the
         allocator still holds what the step allocated."""
-        if output is not None or self._monitor is None or self._inside or module is not self._model:
+        if self._monitor is None or self._inside or module is not self._model:
+            return
+        if output is not None:
+            if self._phases is not None:
+                self._phases.forward_end(module.training)
             return
         error = sys.exc_info()[1]
         if module.training and is_oom(error):
@@ -411,6 +431,8 @@ class ResourceGuardCallback(TrainerCallback):
         if self._inside or module is not self._model:
             return
         if not module.training:
+            if self._phases is not None:
+                self._phases.forward_start(False)
             if self.check_eval and self._eval_pending:
                 self._eval_pending = False
                 self._preflight_eval(module, kwargs)
@@ -425,6 +447,8 @@ class ResourceGuardCallback(TrainerCallback):
                 raise
         if self._monitor is not None:
             self._monitor.batch_ready(batch if batch is not None else kwargs)
+        if self._phases is not None:
+            self._phases.forward_start(True)
 
     def _as_planned(self, kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """The forward's keyword tensors as the planned batch had them: the Trainer's extra arguments
@@ -490,6 +514,11 @@ class ResourceGuardCallback(TrainerCallback):
         )
         self._errors_before = getattr(sys, "last_value", None)
         self._monitor.start()
+        if self._monitor.phases is not None:  # the Trainer's boundaries (frontdoors/hf_phases.py)
+            self._phases = TrainerPhases(self._monitor.phases)
+            self._phases.install(self._optimizer, loader)
+            for line in self._phases.notes:
+                self._monitor.note(line)
         atexit.register(self._close_at_exit)
 
     def _ended_early(self, why: str) -> BaseException:
@@ -505,6 +534,9 @@ class ResourceGuardCallback(TrainerCallback):
 
     def _stop_run(self, exc: BaseException | None = None) -> None:
         """Close the monitor (the report is written and printed) and its writer. Safe to call twice."""
+        phases, self._phases = self._phases, None
+        if phases is not None:
+            phases.remove()
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
             atexit.unregister(self._close_at_exit)

@@ -79,6 +79,21 @@ class PhaseClock:
         self._totals[self._current] += now - self._mark
         self._mark = now
 
+    def charge_to(self, phase: str, then: str | None = None) -> None:
+        """Charge the time since the last switch to ``phase``, not to the running phase: for a span a
+        framework announces only at its end (the Trainer's ``on_save``). The running phase keeps running,
+        or ``then`` runs from now.
+
+        Raises:
+            KeyError: ``phase`` or ``then`` is not one of ``PHASES``.
+        """
+        now = self._clock()
+        self._totals[phase] += now - self._mark
+        if then is not None:
+            self._totals[then] += 0.0
+            self._current = then
+        self._mark = now
+
     def skip(self, now: float) -> None:
         """Leave the time since the last switch out (the monitor's own work at a log boundary)."""
         self._mark = now
