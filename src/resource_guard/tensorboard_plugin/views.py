@@ -131,7 +131,7 @@ def overview(run: RunFiles) -> dict[str, Any]:
             "MiB",
         ),
         ("pre-flight estimate", _mib(s.get("estimated_peak_bytes")), "MiB"),
-        ("capacity", _mib(s.get("capacity_bytes")), "MiB"),
+        *_capacity_facts(s, guard_json.get("plan") or {}),
         ("device", s.get("device_name") or s.get("device"), ""),
         ("precision", s.get("precision"), ""),
         ("run time", _round(s.get("duration_s") or guard_json.get("wall_s")), "s"),
@@ -145,6 +145,17 @@ def overview(run: RunFiles) -> dict[str, Any]:
         "facts": [{"name": n, "value": v, "unit": u} for n, v, u in facts if v is not None],
         "notes": list(s.get("notes") or ()),
     }
+
+
+def _capacity_facts(s: Mapping[str, Any], planned: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
+    """The capacity the plan fitted the step into; the monitor's (host RAM on a CPU) where it differs."""
+    out: list[tuple[str, Any, str]] = []
+    if planned.get("capacity_bytes"):
+        out.append(("capacity (the plan's)", _mib(planned["capacity_bytes"]), "MiB"))
+    if s.get("capacity_bytes") and s.get("capacity_bytes") != planned.get("capacity_bytes"):
+        name = "host RAM" if s.get("peak_memory_source") == "rss" else "device memory"
+        out.append((name, _mib(s["capacity_bytes"]), "MiB"))
+    return out
 
 
 def _round(value: Any) -> float | None:
