@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from resource_guard import DoesNotFitError, guard
-from resource_guard.errors import ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 
 VOCAB, WIDTH, SEQ = 64, 32, 16
 
@@ -175,9 +175,10 @@ def test_a_closure_optimizer_counts_its_steps_and_closure_evaluations(tmp_path: 
         loss.backward()
         return loss
 
-    with guard(model, optimizer, log_dir=tmp_path, profile=False) as g, pytest.warns(ResourceGuardWarning):
-        for _ in range(3):  # the estimate of an LBFGS step falls back (closure): warned, the run goes on
+    with guard(model, optimizer, log_dir=tmp_path, profile=False) as g:
+        for _ in range(3):  # the closure's step is traced (estimate/closure_step.py): no fallback
             optimizer.step(closure)
+    assert g.plan is not None and g.plan.estimate.method == "traced"
     observed = json.loads((tmp_path / "guard.json").read_text())["observed"]
     assert observed["optimizer_steps"] == 3 and observed["forwards"] == 0 and observed["accumulation"] is None
     assert observed["closure_forwards"] >= 3
@@ -354,3 +355,74 @@ def test_accumulation_that_does_not_fit_stops_before_its_second_forward() -> Non
             model.register_forward_pre_hook(lambda m, _: calls.append(1) if m is model else None)
             nanogpt_loop(model, optimizer, steps=2, accumulation=2)  # type: ignore[arg-type]
     assert len(calls) == 1  # the first micro-step ran; the second never started
+
+
+class Sequence(nn.Module):
+    """pytorch/examples' time_sequence_prediction, small: float64 LSTM cells over the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTMCell(1, 16)
+        self.linear = nn.Linear(16, 1)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        h = c = torch.zeros(input.size(0), 16, dtype=torch.double)
+        outputs = []
+        for x in input.split(1, dim=1):
+            h, c = self.lstm(x, (h, c))
+            outputs.append(self.linear(h))
+        return torch.cat(outputs, dim=1)
+
+
+def lbfgs_loop(guarded: bool, steps: int = 4) -> tuple[list[float], Any, int]:
+    """The LBFGS closure loop as the script writes it; its losses, the guard (or None), its real peak."""
+    import gc
+
+    from resource_guard.estimate.host.measure import allocation_deltas, live_bytes, peak_of
+    from resource_guard.estimate.host.quiet import quiet_profile
+
+    torch.manual_seed(0)
+    model = Sequence().double()
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.8, max_iter=5, history_size=4)
+    data = torch.sin(torch.linspace(0, 6, 21, dtype=torch.double)[None, :] + torch.arange(8.0)[:, None] / 4)
+    input, target = data[:, :-1], data[:, 1:]
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(input), target)
+        loss.backward()
+        return loss
+
+    losses: list[float] = []
+    g = guard(model, optimizer, monitor=False) if guarded else None
+    gc.collect()
+    start = live_bytes(model, optimizer, data)
+    with g if g is not None else torch.enable_grad(), quiet_profile() as prof:
+        for _ in range(steps):
+            losses.append(float(optimizer.step(closure).detach()))
+    return losses, g, start + peak_of(allocation_deltas(prof))
+
+
+def test_an_lbfgs_loop_is_traced_with_its_history_and_left_alone() -> None:
+    """The closure's step traced with LBFGS's history at its full size: never below the loop's real peak
+    once the history is full (4 steps of 5 iterations, history 4), and the losses are the unguarded
+    loop's, bit for bit."""
+    alone, _, real = lbfgs_loop(guarded=False)
+    guarded, g, _ = lbfgs_loop(guarded=True)
+    assert guarded == alone
+    assert g.plan is not None and g.plan.precision == "64-true"
+    predicted = g.plan.fit.allocated_peak_bytes
+    assert real <= predicted <= real * 1.05
+    assert any("closure optimizer LBFGS" in w for w in g.plan.estimate.warnings)
+
+
+def test_g_iterate_with_a_closure_optimizer_is_refused_before_any_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.LBFGS(model.parameters())
+    data = [(torch.randn(4, 3), torch.randn(4, 1))]
+    with pytest.raises(ConfigurationError, match=r"LBFGS steps with a closure.*optimizer.step\(closure\)"):
+        with guard(model, optimizer, monitor=False) as g:
+            for x, y in g.iterate(data):
+                g.backward(F.mse_loss(model(x), y))
+    assert g.optimizer_steps == 0

@@ -22,6 +22,12 @@ from torch import nn
 from resource_guard.devices import DeviceSpec, resolve_device
 from resource_guard.errors import ConfigurationError, ResourceGuardWarning
 from resource_guard.estimate.analytic import analytic_estimate
+from resource_guard.estimate.closure_step import (
+    closure_state_bytes,
+    needs_closure,
+    stateless_stand_in,
+    with_closure_state,
+)
 from resource_guard.estimate.emulate.target import Target
 from resource_guard.estimate.fsdp.fsdp2 import is_fsdp1, is_fully_sharded, sharded_layout, unsharded_copy
 from resource_guard.estimate.fsdp.fsdp2_step import RankBuffers, per_rank
@@ -331,6 +337,10 @@ def estimate_memory(
     default = layout.device_type if layout is not None else _default_kind(model)
     kind = _device_kind(device) if device is not None else default
     target = Target.of(device, kind)
+    closure = None
+    if isinstance(optimizer, torch.optim.Optimizer) and needs_closure(optimizer):
+        # LBFGS: the closure's step traced, its vectors added (estimate/closure_step.py)
+        closure, optimizer = closure_state_bytes(optimizer), stateless_stand_in(optimizer)
     with isolated_global_state():
         try:
             with torch_logs_silenced():  # a failed fake kernel is reported below, not by torch's log
@@ -346,6 +356,8 @@ def estimate_memory(
             with torch_logs_silenced():  # the bound's own fake optimizer step may fail the same way
                 est = analytic_estimate(model, optimizer, batch, trace_spec, kind, reason=reason)
             est = dataclasses.replace(est, assumed_target=f"as on {target.describe()}, {spec.name}")
+    if closure is not None:  # the bound holds for the analytic fallback too
+        est = with_closure_state(est, closure)
     if layout is not None:
         est = per_rank(est, layout, spec)
     return dataclasses.replace(est, warnings=unwrapped + est.warnings) if unwrapped else est

@@ -357,6 +357,16 @@ class Guard:
         """
         if not self._entered:
             raise ConfigurationError("call `g.iterate(...)` inside `with guard(...) as g:`.")
+        from resource_guard.estimate.closure_step import needs_closure
+
+        closure = next((type(o).__name__ for o in self.optimizers if needs_closure(o)), None)
+        if closure is not None:  # before step 0: g.backward steps with no closure to re-evaluate
+            raise ConfigurationError(
+                f"{closure} steps with a closure that re-evaluates the model (`optimizer.step(closure)`), "
+                "which `g.iterate`/`g.backward` cannot give it. Leave the loop unchanged under "
+                "`with guard(model, optimizer):` and call `optimizer.step(closure)` yourself: the guard "
+                "pre-flights the closure's step (its history included), times and reports it."
+            )
         watch, self._watch = self._watch, None
         if watch is not None:  # the loop drives the guard: the hooks go
             watch.remove()
