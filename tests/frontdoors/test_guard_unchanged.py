@@ -267,6 +267,51 @@ def test_the_plan_holds_the_outputs_the_loop_holds(keep_outputs: bool) -> None:
         assert predicted == pytest.approx(real - logits, rel=0.02)
 
 
+class LogitsOnly(BigVocab):
+    """pytorch/examples' shape: the model returns logits, the loop computes the loss."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x = self.wte(idx)
+        return self.lm_head(x + self.proj(self.block(x)))
+
+
+def test_a_guard_loss_fn_makes_the_traced_steps_one_forward() -> None:
+    """``output = model(X); loss = crit(output, Y)`` with the loss described by ``loss_fn``: the pre-flight
+    runs the model once, inside ``loss_fn``, as the loop does (a second forward for the model's own loss
+    would hold a second set of activations), and predicts the loop's real peak within 2%, never under."""
+    import gc
+
+    from resource_guard.estimate.host.measure import allocation_deltas, live_bytes, peak_of
+    from resource_guard.estimate.host.quiet import quiet_profile
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, X: Any, Y: Any) -> None:
+        output = model(X)
+        loss = F.cross_entropy(output.view(-1, 4096), Y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def loss_fn(m: nn.Module, inputs: Any) -> torch.Tensor:
+        return F.cross_entropy(m(*inputs).view(-1, 4096), torch.zeros(inputs[0].numel(), dtype=torch.long))
+
+    torch.manual_seed(0)
+    model = LogitsOnly()
+    optimizer = torch.optim.AdamW(model.parameters())
+    X, Y = torch.randint(0, 4096, (4, 32)), torch.randint(0, 4096, (4, 32))
+    forwards: list[int] = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    with guard(model, optimizer, loss_fn=loss_fn, monitor=False) as g:
+        step(model, optimizer, X, Y)
+    assert g.plan is not None and len(forwards) == 2  # the traced step's one forward, then the loop's
+    step(model, optimizer, X, Y)  # the optimizer state exists, as in the steady state the plan predicts
+    gc.collect()
+    start = live_bytes(model, optimizer, (X, Y))
+    with quiet_profile() as prof:
+        step(model, optimizer, X, Y)
+    real = start + peak_of(allocation_deltas(prof))
+    assert real <= g.plan.estimate.peak_bytes <= real * 1.02
+
+
 def test_the_guard_keeps_the_loops_precision_unless_asked() -> None:
     from resource_guard.planning.planner import choose_precision
 

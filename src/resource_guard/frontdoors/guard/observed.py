@@ -108,11 +108,12 @@ def forward_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
 class LoopLoss(StandInLoss):
     """The loss of the step as the loop runs it, from the inputs of its first forward.
 
-    Calls the model exactly as the loop called it. The loss is the one the model returns (a scalar, a
-    scalar in a returned tuple such as nanoGPT's ``(logits, loss)``, ``output.loss`` /
-    ``output["loss"]``); else ``loss_fn(model, inputs)`` when the guard was given one (``inputs``: the
-    forward's positional arguments as a tuple, or its keyword arguments as a dict); else the stand-in
-    over the outputs (:class:`~resource_guard.step.training.StandInLoss`, stated in the plan).
+    With a ``loss_fn`` given to the guard, the loss is ``loss_fn(model, inputs)`` alone (``inputs``: the
+    forward's positional arguments as a tuple, or its keyword arguments as a dict): it makes the step's
+    one forward, as the loop does. Else the model is called exactly as the loop called it and the loss is
+    the one it returns (a scalar, a scalar in a returned tuple such as nanoGPT's ``(logits, loss)``,
+    ``output.loss`` / ``output["loss"]``), else the stand-in over the outputs
+    (:class:`~resource_guard.step.training.StandInLoss`, stated in the plan).
     """
 
     keep_outputs = True  # the traced step's outputs stay alive through backward (``guard(keep_outputs=)``)
@@ -122,11 +123,18 @@ class LoopLoss(StandInLoss):
         self.both, self.loss_fn = both, loss_fn
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if self.loss_fn is not None:  # the loss as the loop computes it: loss_fn makes the one forward
+            outputs: list[Any] = []
+            handle = model.register_forward_hook(lambda _m, _a, out: outputs.append(out))
+            try:
+                loss = _as_loss(self.loss_fn(model, batch))
+            finally:
+                handle.remove()
+            _hold_next_batch(outputs[0] if outputs else loss, batch)
+            return loss
         output = model(*batch[0], **batch[1]) if self.both else _call(model, batch)
         _hold_next_batch(output, batch)
         own = _returned_loss(output)
-        if self.loss_fn is not None:
-            return own if own is not None else _as_loss(self.loss_fn(model, batch))
         if own is not None:
             return own
         tensors = _standin_tensors(output)
