@@ -49,7 +49,12 @@ from resource_guard.estimate.trace.recovery import fake_mode as _fake_mode
 from resource_guard.estimate.trace.recovery import fake_numpy
 from resource_guard.estimate.trace.sparse import SPARSE_ROWS, SparseOps
 from resource_guard.estimate.trace.tracer import PeakRecord, StorageTracker
-from resource_guard.estimate.user_step import UserStep, check_optimizers, run_user_step
+from resource_guard.estimate.user_step import (
+    UserStep,
+    check_optimizers,
+    manual_update_stand_in,
+    run_user_step,
+)
 from resource_guard.step.precision import PrecisionSpec, parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of, iter_tensors, training_step
 
@@ -94,10 +99,11 @@ def _check_inputs(
                 f"(shapes {shapes}); build it over `model.parameters()`, or pass a factory "
                 "`lambda params: torch.optim.AdamW(params)`."
             )
-    elif not callable(optimizer):
+    elif optimizer is not None and not callable(optimizer):
         raise ConfigurationError(
-            f"`{who}(optimizer=...)` must be a torch.optim.Optimizer over the model's parameters or a "
-            f"factory `params -> Optimizer`, got {type(optimizer).__name__}."
+            f"`{who}(optimizer=...)` must be a torch.optim.Optimizer over the model's parameters, a "
+            "factory `params -> Optimizer`, or `optimizer=None` for a loop that updates the parameters "
+            f"by hand (`p.data.add_(p.grad, alpha=-lr)`), got {type(optimizer).__name__}."
         )
     if batch is None:
         raise ConfigurationError(
@@ -275,7 +281,7 @@ def _trace(
 
 def estimate_memory(
     model: nn.Module,
-    optimizer: OptimizerArg,
+    optimizer: OptimizerArg | None,
     batch: Any,
     loss_fn: LossFn | None = None,
     *,
@@ -291,7 +297,10 @@ def estimate_memory(
             module sharded by FSDP2's ``fully_shard`` gives one rank's step (a
             :class:`~resource_guard.estimate.fsdp.fsdp2_step.ShardedEstimate`; see
             :mod:`~resource_guard.estimate.fsdp.fsdp2`).
-        optimizer: an optimizer over ``model``'s parameters, or a factory ``params -> Optimizer``.
+        optimizer: an optimizer over ``model``'s parameters, or a factory ``params -> Optimizer``;
+            ``None`` for a loop that updates the parameters by hand (in place, no state, gradients
+            freed by ``model.zero_grad()``;
+            :func:`~resource_guard.estimate.user_step.manual_update_stand_in`).
         batch: one sample batch, as the training loop receives it.
         loss_fn: ``(model, batch) -> loss or output``; default: ``model(**batch)`` for a mapping,
             ``model(*batch)`` for a tuple/list, else ``model(batch)``, and the loss is the output if
@@ -325,6 +334,8 @@ def estimate_memory(
     """
     model, unwrapped = unwrap_model(model)
     _check_inputs(model, optimizer, batch, loss_fn)
+    if optimizer is None:  # manual updates: in place, no state, gradients freed by zero_grad
+        optimizer = manual_update_stand_in(model)
     if sparse_rows not in SPARSE_ROWS:
         choices = ", ".join(map(repr, SPARSE_ROWS))
         raise ConfigurationError(f"`estimate_memory(sparse_rows={sparse_rows!r})` must be one of {choices}.")

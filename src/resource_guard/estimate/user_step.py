@@ -43,6 +43,7 @@ __all__ = [
     "UserStep",
     "check_optimizers",
     "count_user_step_flops",
+    "manual_update_stand_in",
     "measure_user_step",
     "run_user_step",
 ]
@@ -124,6 +125,25 @@ class NoOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
+
+
+def manual_update_stand_in(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer a manual-update loop (``optimizer=None``) is estimated with: plain SGD over the
+    model's trainable parameters, updating in place and keeping no state (as
+    ``p.data.add_(p.grad, alpha=-lr)`` does), its gradients freed at the end of the step (as
+    ``model.zero_grad()``, ``set_to_none=True`` by default, frees them before the next forward).
+
+    Unlike :class:`NoOptimizer`, whose gradients stay allocated, this is what pytorch/examples'
+    ``word_language_model`` holds; a loop that keeps its gradients instead is seen at its next forward
+    (the guard refits the plan with the gradients allocated).
+
+    Example:
+        >>> opt = manual_update_stand_in(nn.Linear(4, 2))
+        >>> type(opt).__name__, len(opt.state)
+        ('SGD', 0)
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=1e-3, foreach=False)
 
 
 def count_user_step_flops(

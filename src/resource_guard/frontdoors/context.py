@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
+from resource_guard.estimate.user_step import manual_update_stand_in
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.frontdoors.guard.args import check_device_and_catalog, check_log_dir, torch_device_of
 from resource_guard.frontdoors.guard.batches import MicroBatches, expect_steps, to_device
@@ -113,7 +114,7 @@ class Guard:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
         *,
         sample_batch: Any = None,
         loss_fn: LossFn | None = None,
@@ -144,10 +145,17 @@ class Guard:
             from resource_guard.estimate.user_step import check_optimizers
 
             check_optimizers(model, optimizer, loss_fn, "guard")
-        elif not isinstance(optimizer, torch.optim.Optimizer):
+        elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigurationError(
-                f"`guard(optimizer=...)` must be a torch.optim.Optimizer or a list of them, got "
-                f"{type(optimizer).__name__}."
+                f"`guard(optimizer=...)` must be a torch.optim.Optimizer, a list of them, or "
+                "`optimizer=None` for a loop that updates the parameters by hand "
+                f"(`p.data.add_(p.grad, alpha=-lr)`), got {type(optimizer).__name__}."
+            )
+        if optimizer is None and sample_batch is not None:
+            raise ConfigurationError(
+                "`guard(model, None, sample_batch=...)`: with manual updates (`optimizer=None`) the loop "
+                "updates the parameters itself, so `g.iterate`/`g.backward` cannot step it. Remove "
+                "`sample_batch=` and leave the loop unchanged: the guard pre-flights its first forward."
             )
         from resource_guard.devices import parse_memory_limit
         from resource_guard.planning.planner import _check_args
@@ -171,7 +179,15 @@ class Guard:
         self._worst = (max_seq_len, worst_case_batch, check_shapes)
         self._shapes: Any = None  # the ShapeGuard, once planned
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.optimizers = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
+        self.optimizers: tuple[torch.optim.Optimizer, ...] = (
+            tuple(optimizer)
+            if isinstance(optimizer, (list, tuple))
+            else ()
+            if optimizer is None
+            else (optimizer,)
+        )
+        # what the estimate steps: a manual-update loop's in-place, stateless update when there is none
+        self._planned_optimizers = self.optimizers or (manual_update_stand_in(model),)
         self._sample_batch = sample_batch
         self._eval_sample = eval_sample_batch  # pre-flighted with the plan (see `evaluate`)
         self._target = target_batch_size
@@ -253,7 +269,9 @@ class Guard:
         kwargs, own = self._plan_kwargs, self._plan_kwargs["precision"] is None
         if own:  # numerics by consent: the loop's own precision unless precision= says otherwise
             kwargs = {**kwargs, "precision": loop_precision(self.model, "cpu")}
-        self.plan, self.device = make_plan(self.model, self.optimizers, batch, loss_fn, target, kwargs)
+        self.plan, self.device = make_plan(
+            self.model, self._planned_optimizers, batch, loss_fn, target, kwargs
+        )
         if own:
             self.plan = self._with_reasons(
                 f"precision {self.plan.precision}: the loop's own (its parameters' dtype); "
@@ -262,7 +280,7 @@ class Guard:
         if self._eval_sample is not None:  # the evaluation to come, before any step
             self._preflight_eval(self._eval_sample, later=True)
         if self._monitor_on:  # model FLOPs, before checkpointing adds its recomputation
-            self._flops_per_sample = flops_per_sample(self.model, batch, loss_fn, self.optimizers)
+            self._flops_per_sample = flops_per_sample(self.model, batch, loss_fn, self._planned_optimizers)
         prepared = prepare_model(self.model, self.optimizers, self.plan, self.device)
         self._ckpt, self._scaler = prepared.checkpointing, prepared.scaler
         if self._worst[2]:  # the shape guard; the worst case known before any step (it may split)
@@ -293,16 +311,28 @@ class Guard:
         watch = self._watch
         assert watch is not None
         self.plan, self.device, loss = plan_as_run(
-            self.model, self.optimizers, args, kwargs, self.loss_fn, self._plan_kwargs, self._keep_outputs
+            self.model,
+            self._planned_optimizers,
+            args,
+            kwargs,
+            self.loss_fn,
+            self._plan_kwargs,
+            self._keep_outputs,
         )
         self._target = self.plan.target_batch_size
         self.plan = self._with_reasons(
             "unchanged loop: observed through hooks; nothing applied (the loop's device, precision and "
             "batch run as written); to let the guard apply a plan, loop with `g.iterate` and `g.backward`"
         )
+        if not self.optimizers:
+            self.plan = self._with_reasons(
+                "manual updates (`optimizer=None`): planned as an in-place update with no optimizer state, "
+                "the gradients freed before the next forward (`model.zero_grad()`); a step is counted at "
+                "each training forward that follows a backward"
+            )
         if self._monitor_on:
             batch = forward_batch(args, kwargs)
-            per_sample = flops_per_sample(self.model, batch, loss, self.optimizers)
+            per_sample = flops_per_sample(self.model, batch, loss, self._planned_optimizers)
             self._monitor = start_monitor(
                 self._log_dir,
                 self.plan,
@@ -359,6 +389,12 @@ class Guard:
             raise ConfigurationError("call `g.iterate(...)` inside `with guard(...) as g:`.")
         from resource_guard.estimate.closure_step import needs_closure
 
+        if not self.optimizers:  # before step 0: g.backward would have nothing to step
+            raise ConfigurationError(
+                "`g.iterate(...)` with `guard(model, None)`: the loop updates the parameters by hand, so "
+                "`g.backward` has no optimizer to step. Leave the loop unchanged under `with guard(model, "
+                "None):` (the guard pre-flights, times and reports it), or pass the optimizer."
+            )
         closure = next((type(o).__name__ for o in self.optimizers if needs_closure(o)), None)
         if closure is not None:  # before step 0: g.backward steps with no closure to re-evaluate
             raise ConfigurationError(
@@ -512,7 +548,9 @@ class Guard:
 
     def _preflight_eval(self, batch: Any, later: bool = False) -> None:
         assert self.plan is not None
-        line = preflight_eval(self._evals, self.model, self.loss_fn, self.optimizers, self.plan, batch, later)
+        line = preflight_eval(
+            self._evals, self.model, self.loss_fn, self._planned_optimizers, self.plan, batch, later
+        )
         if line is not None:  # new: into the plan's reasons and the report
             self.plan = self._with_reasons(line)
             self._call_monitor("note", line)
@@ -536,6 +574,7 @@ class Guard:
         watch = self._watch
         if watch is not None:
             watch.remove()
+            watch.finish()
             self.micro_steps = watch.forwards
             if watch.planned:
                 self._call_monitor("note", watch.line())
@@ -571,9 +610,15 @@ class Guard:
 
 
 def guard(
-    model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer], **kwargs: Any
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
+    **kwargs: Any,
 ) -> Guard:
     """Plan and run a plain-PyTorch training loop; see :class:`Guard` for the arguments.
+
+    ``guard(model, None)`` (or ``guard(model)``) is a loop that updates the parameters by hand
+    (``p.data.add_(p.grad, alpha=-lr)``, ``model.zero_grad()``): left unchanged, it is planned with no
+    optimizer state and observed through its forwards and backwards.
 
     Several optimizers (a GAN's loop) come as a list, with ``loss_fn=UserStep(step)``: the step the
     pre-flight estimates (:mod:`~resource_guard.estimate.user_step`), and ``g.backward(loss,

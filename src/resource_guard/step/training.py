@@ -136,11 +136,17 @@ def _as_loss(output: Any) -> torch.Tensor:
 
 def _standin_of(tensor: torch.Tensor) -> torch.Tensor:
     """``F.cross_entropy`` against class 0 over the last dim: what a cross-entropy keeps, under the
-    precision policy in force (autocast runs it in float32; the target's policy decides its dtypes)."""
+    precision policy in force (autocast runs it in float32; the target's policy decides its dtypes).
+
+    Outputs that are already log-probabilities (the model ends in ``log_softmax``, as pytorch/examples'
+    mnist and word_language_model do, the loop then calling ``F.nll_loss``) go through ``F.nll_loss``:
+    a cross-entropy would add a second ``log_softmax`` that loop never runs."""
     if tensor.dim() == 0 or tensor.numel() == 0:
         return tensor.float().sum()
     flat = tensor.reshape(-1, tensor.shape[-1])
     target = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    if type(tensor.grad_fn).__name__ == "LogSoftmaxBackward0":
+        return nn.functional.nll_loss(flat, target)
     return nn.functional.cross_entropy(flat, target)
 
 

@@ -16,7 +16,12 @@ When the loop never calls ``g.iterate``, the guard watches it through public hoo
   time the optimizer phase; a step ends when every optimizer has stepped once (one optimizer: each
   step). Forwards inside a step (an LBFGS closure) are counted as closure evaluations and timed as
   part of the optimizer phase. The time from a step's end to the next training forward is the loop's
-  data and host time between steps, charged to ``data_wait``.
+  data and host time between steps, charged to ``data_wait``;
+- with no optimizer (``guard(model, None)``: the loop updates the parameters by hand), a step is one
+  or more backwards followed by the next training forward (or the end of the loop): the first
+  gradient accumulated marks a backward, and the training forward after it closes the step. Its
+  manual update runs in the loop's own (host) time; a loop that accumulates over several backwards
+  without an optimizer is counted one step per backward.
 
 Nothing is applied: the model is not moved, the precision not changed, the batch not split; the plan
 is advice (its micro-batch and accumulation say what ``g.iterate``/``g.backward`` would run). A failure
@@ -243,6 +248,7 @@ class LoopWatch:
         self._step_samples = 0
         self._stepped: set[int] = set()
         self._last_grad = 0.0
+        self._backward_pending = False  # no optimizer: a backward ran since the last training forward
         self._handles: list[Any] = []
 
     # -- hooks -----------------------------------------------------------------------------------
@@ -296,6 +302,9 @@ class LoopWatch:
             if self._in_step:
                 self.closure_forwards += 1
                 return
+            if self._backward_pending:  # manual updates: the backward before this forward ended a step
+                self._end_backward()
+                self._close_step()
             self.forwards += 1
             self._step_forwards += 1
             if self.grads_kept_at is None and self.steps < 3 and self._grads_allocated():
@@ -348,6 +357,8 @@ class LoopWatch:
     def _grad_accumulated(self, param: torch.Tensor) -> None:
         if not self._inside:
             self._last_grad = _clock()
+            if not self.optimizers and not self._in_step:
+                self._backward_pending = True
 
     def _end_backward(self) -> None:
         """The backward phase ends at the last gradient accumulated; the rest was the loop's own code."""
@@ -377,20 +388,35 @@ class LoopWatch:
             if self._in_step or len(self._stepped) < len(self.optimizers):
                 return
             self._stepped.clear()
-            self.steps += 1
-            forwards, self._step_forwards = self._step_forwards, 0
-            self.forwards_per_step[forwards] = self.forwards_per_step.get(forwards, 0) + 1
-            if self.samples_per_step is None and self._step_samples:
-                self.samples_per_step = self._step_samples
-                if self.monitor is not None and self.flops_per_sample:
-                    self.monitor.flops_per_step = self.flops_per_sample * self._step_samples
-            self._step_samples = 0
-            if self.clock is not None:
-                self.clock.switch("data_wait")  # until the next forward: the loader and the loop's code
-            if self.monitor is not None:
-                self.monitor.step_end()
+            self._close_step()
         except Exception as error:
             self._fail(error)
+
+    def finish(self) -> None:
+        """The loop ended: a manual-update loop's last step (a backward with no forward after it) counts."""
+        if self._backward_pending and not self.broken:
+            try:
+                self._end_backward()
+                self._close_step()
+            except Exception as error:
+                self._fail(error)
+
+    def _close_step(self) -> None:
+        """One optimizer step of the loop is complete (every optimizer stepped, or a manual update's
+        backward followed by the next forward): its forwards and samples counted, the monitor told."""
+        self._backward_pending = False
+        self.steps += 1
+        forwards, self._step_forwards = self._step_forwards, 0
+        self.forwards_per_step[forwards] = self.forwards_per_step.get(forwards, 0) + 1
+        if self.samples_per_step is None and self._step_samples:
+            self.samples_per_step = self._step_samples
+            if self.monitor is not None and self.flops_per_sample:
+                self.monitor.flops_per_step = self.flops_per_sample * self._step_samples
+        self._step_samples = 0
+        if self.clock is not None:
+            self.clock.switch("data_wait")  # until the next forward: the loader and the loop's code
+        if self.monitor is not None:
+            self.monitor.step_end()
 
     # -- what was seen -----------------------------------------------------------------------------
     @property
@@ -404,9 +430,13 @@ class LoopWatch:
     def line(self) -> str:
         """The report's note of what the hooks counted."""
         accumulation = self.accumulation
+        kind = (
+            "optimizer step(s)"
+            if self.optimizers
+            else "step(s) (manual updates: a backward, then the next forward)"
+        )
         words = (
-            f"unchanged loop observed through hooks: {self.steps} optimizer step(s), {self.forwards} "
-            f"training forward(s)"
+            f"unchanged loop observed through hooks: {self.steps} {kind}, {self.forwards} training forward(s)"
         )
         if accumulation is not None:
             words += f"; the loop accumulates {accumulation} forward(s) a step"
@@ -421,6 +451,9 @@ class LoopWatch:
         return {
             "mode": "hooks (unchanged loop)",
             "optimizer_steps": self.steps,
+            "steps_counted": "optimizer step hooks"
+            if self.optimizers
+            else "a backward, then the next forward",
             "forwards": self.forwards,
             "accumulation": self.accumulation,
             "forwards_per_step": {str(k): v for k, v in sorted(self.forwards_per_step.items())},
