@@ -26,6 +26,12 @@ monitoring <= 0.2% of the step.
 
 Run:  python benchmarks/monitor_overhead.py [--rounds 15] [--steps 300] [--json PATH] 2>/dev/null
 
+``--close`` instead prints what closing the monitor costs at the end of a run, door by door (issue #40:
+under a second for a small run): ``guard`` on the demo (``resource-guard demo``'s TinyGPT, 12 steps), the
+Lightning callback on a small ``Trainer.fit`` (an MLP, 40 steps) and the Trainer callback on a tiny GPT-2
+(20 steps), each with the default profiler window. The time is ``RunMonitor.close`` as a whole, and the
+part before the report that the report itself shows (its "monitor close" row, with its slower parts).
+
 Wall time is what a user feels, and on a shared machine it is also what other processes disturb most;
 the training thread's CPU time (``time.thread_time``) leaves out the time the thread was not running, so
 its differences are steadier, but it also leaves out the monitor's waits (the TensorBoard flush at a log
@@ -340,6 +346,98 @@ def in_run(steps: int, block: int, part: str, warmup: int = 200) -> dict[str, fl
     return out
 
 
+def close_times() -> dict[str, dict[str, Any]]:
+    """Each door's ``RunMonitor.close`` on a small run (see the module docstring), printed."""
+    from resource_guard.observe.monitor import RunMonitor
+
+    closes: list[float] = []
+    original = RunMonitor.close
+
+    def timed_close(self: RunMonitor, exc: BaseException | None = None) -> Any:
+        first, begun = self.close_s is None, time.perf_counter()
+        try:
+            return original(self, exc)
+        finally:
+            if first and self.close_s is not None:  # the close that did the work, not a repeated call
+                closes.append(time.perf_counter() - begun)
+
+    RunMonitor.close = timed_close  # type: ignore[method-assign]
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for door, run in (
+                ("guard (demo)", _demo),
+                ("Lightning", _lightning_small),
+                ("Trainer", _trainer),
+            ):
+                closes.clear()
+                report = run(f"{tmp}/{len(results)}")
+                if report is None:
+                    print(f"{door:<14} skipped (not installed)")
+                    continue
+                s = report.stats
+                parts = {k: round(v, 3) for k, v in (s.close_parts or {}).items()}
+                results[door] = {"close_s": closes[-1] if closes else None, "before_report_s": s.close_s,
+                                 "parts": parts, "steps": s.steps}  # fmt: skip
+                whole = f"{closes[-1]:.2f} s" if closes else "-"
+                print(f"{door:<14} close {whole} ({s.steps} steps); before the report {s.close_s} s {parts}")
+    finally:
+        RunMonitor.close = original  # type: ignore[method-assign]
+    return results
+
+
+def _demo(root: str) -> Any:
+    from resource_guard.demo import run_demo
+
+    return run_demo(log_dir=root).report
+
+
+def _lightning_small(root: str) -> Any:
+    import lightning as L
+
+    from resource_guard import ResourceGuard
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _mlp()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters())
+
+    rg = ResourceGuard(log_dir=f"{root}/rg")
+    trainer = L.Trainer(
+        max_steps=40, default_root_dir=root, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[rg],
+    )  # fmt: skip
+    trainer.fit(Net(), DataLoader(_data(40), batch_size=BATCH))
+    return rg.report
+
+
+def _trainer(root: str) -> Any:
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    except ImportError:
+        return None
+    from resource_guard import ResourceGuardCallback
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64)
+    rows = [{"input_ids": torch.arange(32) % 128, "labels": torch.arange(32) % 128} for _ in range(80)]
+    args = TrainingArguments(
+        root, use_cpu=True, report_to=[], save_strategy="no", max_steps=20, logging_steps=5,
+        disable_tqdm=True, per_device_train_batch_size=4,
+    )  # fmt: skip
+    callback = ResourceGuardCallback(verbose=False)
+    Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=rows, callbacks=[callback]).train()
+    return callback.report
+
+
 def _summary(times: dict[str, list[float]], base: str) -> dict[str, dict[str, float]]:
     """Per variant: the median step, and the medians over rounds of its difference from the baseline of
     the same round (µs per step, share of the baseline's step), with the quartiles of the share."""
@@ -376,6 +474,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--only", choices=("lightning", "plain"), default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--close", action="store_true", help="instead: each door's close time")
     parser.add_argument(
         "--in-run", type=int, default=0, metavar="STEPS",
         help="instead: the monitor's cost inside one guard run of STEPS steps, by part (blocks of 25)",
@@ -386,6 +485,11 @@ def main() -> None:
     for name in ("lightning.pytorch", "lightning.pytorch.utilities.rank_zero", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    if args.close:
+        results = close_times()
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
     if args.in_run:
         results = {}
         print(f"inside one guard run: {args.in_run} steps, blocks of 25 alternating on / off, 1 torch thread")

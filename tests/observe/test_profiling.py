@@ -125,3 +125,34 @@ def test_summary_round_trips_through_a_dict() -> None:
     s = ProfileSummary(**{**s.__dict__, "notes": ("x",), "trace_path": "t.gz"})
     again = ProfileSummary.from_dict(json.loads(json.dumps(s.to_dict())))
     assert again == s
+
+
+def test_the_fast_reading_of_the_window_gives_the_summary_torchs_event_list_gives() -> None:
+    """The window is read straight from the profiler's results (issue #40: ``prof.events()`` built a tree
+    of every Python frame, 2 s of a close); the summary must not change."""
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    prof = StepProfiler(ProfileWindow(skip_first=0, wait=0, warmup=1, active=2), None, device_type="cpu")
+    prof.start()
+    for _ in range(4):
+        x = torch.randn(8, 64).to(torch.float64).float()  # casts with a call site in this file
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss.item()
+        prof.step()
+    prof.stop()
+    captured = prof._captured
+    fast = profiling._kineto_records(captured)
+    assert fast is not None
+    slow = profiling._function_event_records(captured)
+    a, b = summarize_events(fast, 2), summarize_events(slow, 2)
+    assert a.step_wall_us == pytest.approx(b.step_wall_us)
+    assert dict(a.op_class_us) == pytest.approx(dict(b.op_class_us), abs=0.11)
+    assert [(op, n) for op, n, _ in a.top_ops] == [(op, n) for op, n, _ in b.top_ops]
+    assert (
+        a.cast_sites == b.cast_sites and a.sync_sites == b.sync_sites and a.syncs_per_step == b.syncs_per_step
+    )
+    assert a.matmul_us == pytest.approx(b.matmul_us) and a.fp32_matmul_us == pytest.approx(b.fp32_matmul_us)
+    assert len(fast) < len(slow)  # the library's Python frames are left out

@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import tempfile
@@ -209,6 +210,7 @@ class RunMonitor(MonitorOutputs):
         self._intervals: list[tuple[float, ...]] = []
         self._started = self._closed = self._broken = False
         self._notes: list[str] = []
+        self.close_s: float | None = None  # how long close() took, once closed
 
     # -- life cycle ------------------------------------------------------------------------------
     @property
@@ -409,6 +411,8 @@ class RunMonitor(MonitorOutputs):
         if self._closed:
             return self.report
         self._closed = True
+        begun = _clock()
+        self._close_parts = {}
         if self._profiler is not None:
             self._guard("profiler", self._profiler.stop, off="_profiler")
         if self._sampler is not None:
@@ -438,14 +442,24 @@ class RunMonitor(MonitorOutputs):
             return None
         summary = None
         if self._profiler is not None:
-            summary = self._guard("profiler", self._profiler.summarize, off="_profiler")
-        self.report = self._guard("report", lambda: analyze(self._run_stats(summary)))
+            with self._close_part("profile summary"):
+                summary = self._guard("profiler", self._profiler.summarize, off="_profiler")
+        picture = None
+        if self.rank == 0:
+            with self._close_part("memory picture"):
+                picture = self._picture()
+        stats = self._guard("report", self._run_stats, summary)
+        if stats is not None:  # the close's own time so far, shown in the report
+            parts = {k: round(v, 3) for k, v in self._close_parts.items() if v >= 0.01}
+            stats = dataclasses.replace(stats, close_s=round(_clock() - begun, 3), close_parts=parts)
+        self.report = None if stats is None else self._guard("report", analyze, stats)
         if self.rank == 0 and self.report is not None:
-            self._write_outputs(self.report)
+            self._write_outputs(self.report, picture)
             if self.summary:
                 console_summary(self.report)
         if self._tb is not None:
             self._guard("TensorBoard", self._tb.close, off="_tb")
+        self.close_s = _clock() - begun
         return self.report
 
     # -- degrading -------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ __all__ = [
     "EventRecord",
     "OpBreakdown",
     "classify",
+    "frame_matters",
     "user_frame",
     "op_breakdown",
 ]
@@ -104,6 +105,18 @@ _LIBRARY_FRAME = re.compile(
     r"^(<built-in|<frozen)|(^|/)(torch|torchvision|lightning|lightning_fabric|pytorch_lightning|"
     r"resource_guard|typing|contextlib|functools|threading)(/|\.py)"
 )
+
+
+def frame_matters(name: str) -> bool:
+    """Whether a Python frame (``with_stack``) can change the breakdown: a user's frame (a call site) or a
+    closure an optimizer's step runs; a library frame between them is inert and may be left out.
+
+    >>> frame_matters("train.py(12): step"), frame_matters("torch/nn/modules/module.py(1751): _call_impl")
+    (True, False)
+    """
+    return not _LIBRARY_FRAME.search(name) or bool(_CLOSURE_FRAME.search(name))
+
+
 _FRAME = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\)(: (?P<fn>.+))?$")
 _MAX_SITES = 5
 

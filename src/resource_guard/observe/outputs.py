@@ -9,12 +9,13 @@ with their TensorBoard copies, and the console summary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,10 +94,22 @@ class MonitorOutputs:
     _closed: bool
     interval_s: float
     _compile_start: Any = None  # dynamo's counters at start
+    _close_parts: dict[str, float]  # seconds by part of close() (the report shows the slower ones)
+    _probed: bool = False  # an end-of-run probe ran: at most one per run
 
     @property
     def _files_dir(self) -> Path | None:  # the monitor's: where report and OOM files go
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _close_part(self, name: str) -> Iterator[None]:
+        """Time a part of ``close()`` into ``_close_parts[name]``."""
+        begun = time.perf_counter()
+        try:
+            yield
+        finally:
+            parts = self.__dict__.setdefault("_close_parts", {})
+            parts[name] = parts.get(name, 0.0) + time.perf_counter() - begun
 
     def _log_interval(self, now: float, collective: bool = True) -> None:
         """At a log boundary: this interval's row, aggregated over ranks (a collective unless
@@ -205,7 +218,7 @@ class MonitorOutputs:
             stats = dataclasses.replace(stats, optimizers=facts or ())
         threads = self._guard("thread figures", self._thread_figures, stats.profile)
         compiled = self._guard("compile figures", self._compile_figures)
-        stats = dataclasses.replace(stats, threads=threads, compile=compiled)
+        stats = dataclasses.replace(stats, threads=threads, compile=compiled, notes=tuple(self._notes))
         if self.shape_stats is None:  # the front doors' shape guard, when on
             return stats
         return dataclasses.replace(stats, shapes=self._guard("shape stats", self.shape_stats))
@@ -221,8 +234,10 @@ class MonitorOutputs:
         out = []
         for optimizer in self.optimizers:
             facts = describe_optimizer(optimizer)
-            if worth and facts["for_loop"] and facts["tensors"] >= FOR_LOOP_MIN_TENSORS:
-                facts.update(foreach_probe(optimizer) or {})
+            if worth and not self._probed and facts["for_loop"] and facts["tensors"] >= FOR_LOOP_MIN_TENSORS:
+                self._probed = True  # at most one end-of-run probe (each is bounded to about 0.5 s)
+                with self._close_part("optimizer probe"):
+                    facts.update(foreach_probe(optimizer) or {})
             out.append(facts)
         return tuple(out)
 
@@ -258,8 +273,15 @@ class MonitorOutputs:
         top_ops = profile.top_ops if profile is not None else ()
         ops_share = out["ops_share"] = profile.ops_share() if profile is not None else None
         out["slowdown"] = None
-        if demand.oversubscribed:
-            out["slowdown"] = oversubscription_slowdown(demand, typical_op_us(top_ops), ops_share)
+        if demand.oversubscribed and not self._probed:  # at most one end-of-run probe per run
+            self._probed = True
+            with self._close_part("threads probe"):
+                out["slowdown"] = oversubscription_slowdown(demand, typical_op_us(top_ops), ops_share)
+        elif demand.oversubscribed:
+            self._notes.append(
+                "threads: the slowdown of the oversubscribed threads was not measured (one end-of-run probe "
+                "per run, and the optimizer's ran)"
+            )
         return out
 
     def _compile_figures(self) -> dict[str, Any] | None:
@@ -391,21 +413,22 @@ class MonitorOutputs:
                 off="_tb",
             )  # flushed with the interval's scalars, which follow
 
-    def _write_outputs(self, report: Report) -> None:
+    def _picture(self) -> Any:
+        """The memory picture of the pre-flight estimate (``None`` without one)."""
+        if self.estimate is None or not self.estimate.timeline:
+            return None
+        title = f"pre-flight memory of one step ({self.estimate.precision}) vs {self.device}"
+        # the line is the capacity the plan fitted the step into (a memory_limit), not the host's RAM
+        capacity = self._planned_capacity()
+        return self._guard("memory picture", memory_picture, self.estimate.timeline, capacity, title=title)
+
+    def _write_outputs(self, report: Report, picture: Any = None) -> None:
         """Rank zero, at close: the report and the memory picture to TensorBoard and to ``report.md``,
         ``report.json`` and ``memory.png`` in the monitor's files directory."""
         markdown = report.to_markdown()
         remaining = self._remaining
         if remaining is not None:
             markdown += "\n\n" + remaining_markdown(remaining)
-        picture = None
-        if self.estimate is not None and self.estimate.timeline:
-            title = f"pre-flight memory of one step ({self.estimate.precision}) vs {self.device}"
-            # the line is the capacity the plan fitted the step into (a memory_limit), not the host's RAM
-            capacity = self._planned_capacity()
-            picture = self._guard(
-                "memory picture", memory_picture, self.estimate.timeline, capacity, title=title
-            )
         if self._tb is not None:
             tb = self._tb
             self._guard("TensorBoard", lambda: tb.text("report", markdown, self._step), off="_tb")

@@ -17,7 +17,7 @@ from resource_guard.devices import format_bytes
 from resource_guard.report.breakdown import breakdown_markdown
 from resource_guard.report.types import Finding, RunStats
 
-__all__ = ["format_value", "memory_note", "render_markdown", "summary_rows"]
+__all__ = ["close_text", "format_value", "memory_note", "render_markdown", "summary_rows"]
 
 
 class Rendered(Protocol):
@@ -76,8 +76,22 @@ def summary_rows(s: RunStats) -> list[tuple[str, str]]:
         ("GPU utilization", None if s.gpu_util_percent is None else f"{s.gpu_util_percent:.0f}%"),
         ("process CPU", None if s.process_cpu_percent is None else f"{s.process_cpu_percent:.0f}%"),
         ("precision", s.precision),
+        ("monitor close", close_text(s)),
     ]
     return [(name, format_value(value)) for name, value in rows]
+
+
+def close_text(s: RunStats) -> str | None:
+    """The monitor's own close time before the report, with its slower parts.
+
+    >>> close_text(RunStats(close_s=0.31, close_parts={"profile summary": 0.05, "memory picture": 0.2}))
+    '0.31 s (memory picture 0.20 s, profile summary 0.05 s)'
+    """
+    if s.close_s is None:
+        return None
+    parts = sorted((s.close_parts or {}).items(), key=lambda kv: -kv[1])
+    detail = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts)
+    return f"{s.close_s:.2f} s" + (f" ({detail})" if detail else "")
 
 
 def memory_note(s: RunStats) -> str | None:

@@ -268,6 +268,9 @@ class RunStats:
     # DataLoader workers, cores, and the measured slowdown at that thread count when oversubscribed
     threads: Mapping[str, Any] | None = None
     compile: Mapping[str, Any] | None = None  # torch.compile during the run (observe/dynamo.py)
+    # the monitor's close up to this report (seconds), and its parts that took 10 ms or more
+    close_s: float | None = None
+    close_parts: Mapping[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -281,6 +284,7 @@ class RunStats:
         out["optimizers"] = [dict(o) for o in self.optimizers]
         out["threads"] = None if self.threads is None else dict(self.threads)
         out["compile"] = None if self.compile is None else dict(self.compile)
+        out["close_parts"] = None if self.close_parts is None else dict(self.close_parts)
         return out
 
     @classmethod
