@@ -74,13 +74,14 @@ from resource_guard.devices import (
     parse_memory_limit,
     resolve_device,
 )
-from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.estimate import DeviceFit, MemoryEstimate
 from resource_guard.estimate.estimator import _check_inputs
 from resource_guard.estimate.fsdp.sharding import FsdpPrecision, autocast_copy_bytes, fsdp_precision
 from resource_guard.estimate.result import ANALYTIC
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.planning.nofit import NoFitReport, batch_reasons, no_fit_error
+from resource_guard.planning.op_time import StepTimeModel
 from resource_guard.planning.search import (
     CHECKPOINT_COST,
     CHECKPOINT_MARGIN,
@@ -92,6 +93,13 @@ from resource_guard.planning.search import (
     relative_cost,
     render_table,
     search_largest,
+)
+from resource_guard.planning.speed import (
+    describe_win,
+    mark_times,
+    resolve_step_model,
+    step_ms,
+    time_candidates,
 )
 from resource_guard.planning.strategy import GPUS_PER_NODE, SHARDED, STRATEGIES, RankMemory, unit_param_bytes
 from resource_guard.step.batching import divisors, rows_error
@@ -289,6 +297,7 @@ def plan(
     fsdp_mixed_precision: str = "params",
     gpus_per_node: int = GPUS_PER_NODE,
     allow_rough: bool = False,
+    step_time: str | StepTimeModel = "rule",
 ) -> Plan:
     """Choose the fastest training configuration that fits (rules in the module docstring).
 
@@ -312,6 +321,11 @@ def plan(
         gpus_per_node: the shard group of ``strategy="hsdp"``.
         allow_rough: plan on an analytic estimate (a bound from shapes, when the step cannot be
             traced); by default such a plan is refused, with the reason.
+        step_time: how configurations that fit are ranked: ``"rule"`` (default: the relative-cost
+            rule), ``"auto"`` (the per-operator step-time model,
+            :class:`~resource_guard.planning.op_time.OpTimeModel`, on this machine's CPU, with
+            ``precision="auto"`` choosing between 32-true and bf16-mixed by it; the rule elsewhere) or
+            a model with a ``predict`` method. Opt-in until ``plan_quality.py --speed`` meets its targets.
 
     Returns:
         A :class:`Plan`.
@@ -324,6 +338,15 @@ def plan(
     _check_inputs(model, optimizer, batch, loss_fn, who="plan")
     catalog = _catalog_arg(catalog)
     spec, reasons = _target_device(device, memory_limit, catalog)
+    step_model = resolve_step_model(step_time, spec)
+    if precision == "auto" and step_model is not None and spec.kind == "cpu" and cpu_profile().native_bf16:
+        args = dict(
+            device=spec, target_batch_size=target_batch_size, headroom=headroom, checkpointing=checkpointing,
+            world_size=world_size, strategy=strategy, catalog=catalog,
+            fsdp_mixed_precision=fsdp_mixed_precision,
+            gpus_per_node=gpus_per_node, allow_rough=allow_rough, step_time=step_model,
+        )  # fmt: skip
+        return _fastest_precision(model, optimizer, batch, loss_fn, args, reasons)
     precision, why = (
         choose_precision(spec) if precision == "auto" else (parse_precision(precision).name, "as asked")
     )
@@ -355,7 +378,14 @@ def plan(
         found = [c for c in tracer.evaluated.values() if c.fit.verdict == "fits tight"]
     if not found:
         raise no_fit_error(tracer, spec, catalog, headroom, rows, units)
-    best = _cheapest(found, per_rank)
+    timed = None
+    if step_model is not None:  # rank everything that fits by predicted step time (rule 4)
+        fitting = [c for c in tracer.evaluated.values() if c.fits] or found
+        timed = time_candidates(fitting, step_model, model, optimizer, batch, loss_fn, precision)
+        best = min(fitting, key=lambda c: (round(step_ms(timed, c, per_rank), 6), bool(c.ckpt), -c.micro))
+        reasons.append(describe_win(best, fitting, timed, per_rank, precision))
+    else:
+        best = _cheapest(found, per_rank)
     if best.estimate.method == ANALYTIC and not allow_rough:
         why = best.estimate.warnings[0] if best.estimate.warnings else "the step could not be traced"
         raise ConfigurationError(
@@ -363,7 +393,7 @@ def plan(
             "bound from shapes, not a trace. Pass `allow_rough=True` to plan on it anyway, or make the step "
             "traceable (see the reason)."
         )
-    if best.ckpt and checkpointing == "auto" and tracer.blocks and len(tracer.blocks) >= 6:
+    if timed is None and best.ckpt and checkpointing == "auto" and tracer.blocks and len(tracer.blocks) >= 6:
         best = _least_checkpointing(tracer, best, reasons)
         rows = tracer.alternatives(per_rank)
 
@@ -396,12 +426,60 @@ def plan(
         estimate=best.estimate,
         fit=best.fit,
         reasons=tuple(reasons),
-        alternatives=_mark_chosen(rows, best),
+        alternatives=_mark_chosen(mark_times(rows, timed) if timed is not None else rows, best),
         traces=tracer.count,
         headroom=float(headroom),
         rank_memory=best.rank if best.strategy != "single" else None,
         fsdp_precision=policy if best.strategy in SHARDED else None,
     )
+
+
+def _fastest_precision(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    batch: Any,
+    loss_fn: LossFn | None,
+    args: dict[str, Any],
+    reasons: list[str],
+) -> Plan:
+    """``precision="auto"`` on a CPU with native bf16 and a step-time model: plan 32-true and bf16-mixed,
+    keep the one with the faster predicted step (bf16 halves a large matmul's time, its casts can
+    cost a small model more than they save)."""
+    plans: list[Plan] = []
+    refused: DoesNotFitError | None = None
+    for precision in ("bf16-mixed", "32-true"):
+        try:
+            plans.append(plan(model, optimizer, batch, loss_fn, precision=precision, **args))
+        except DoesNotFitError as exc:
+            refused = refused or exc
+    if not plans:
+        assert refused is not None
+        raise refused
+    timed = {p.precision: _chosen_ms(p) for p in plans}
+    best = min(plans, key=lambda p: timed[p.precision])
+    cpu = cpu_profile()
+    if len(plans) == 2:
+        other = next(p for p in plans if p is not best)
+        why = (
+            f"predicted {timed[best.precision]:,.1f} ms/step against {timed[other.precision]:,.1f} for "
+            f"{other.precision} ({cpu.native_bf16_reason()})"
+        )
+    else:
+        why = f"the only precision that fits ({cpu.native_bf16_reason()})"
+    kept = [r for r in best.reasons if not r.startswith("precision ") and not r.startswith("device ")]
+    rows = tuple(
+        a if p is best else dataclasses.replace(a, chosen=False) for p in plans for a in p.alternatives
+    )
+    rows = tuple(sorted(rows, key=lambda r: (not r.fits, r.predicted_step_ms or float("inf"))))
+    return dataclasses.replace(
+        best, reasons=(*reasons, f"precision {best.precision}: {why}", *kept), alternatives=rows,
+        traces=sum(p.traces for p in plans),
+    )  # fmt: skip
+
+
+def _chosen_ms(p: Plan) -> float:
+    chosen = (a.predicted_step_ms for a in p.alternatives if a.chosen and a.predicted_step_ms is not None)
+    return next(chosen, float("inf"))
 
 
 # -- the steps of plan() ----------------------------------------------------------------------------

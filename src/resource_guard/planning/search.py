@@ -61,6 +61,7 @@ class Alternative:
     fits: bool
     relative_cost: float
     chosen: bool = False
+    predicted_step_ms: float | None = None  # the step-time model's, where the planner used one
 
     def config(self) -> str:
         every = int(self.checkpointing)
@@ -71,11 +72,20 @@ class Alternative:
 
 def render_table(rows: tuple[Alternative, ...]) -> str:
     """The alternatives as a markdown table."""
-    lines = ["| config (micro×accum) | predicted peak | fits | relative cost |", "|---|---:|:-:|---:|"]
+    timed = any(r.predicted_step_ms is not None for r in rows)
+    if timed:
+        head = "| config (micro×accum) | predicted peak | fits | predicted ms/step |"
+        lines = [head, "|---|---:|:-:|---:|"]
+    else:
+        lines = ["| config (micro×accum) | predicted peak | fits | relative cost |", "|---|---:|:-:|---:|"]
     for r in rows:
         mark = " **(chosen)**" if r.chosen else ""
         peak = f"{r.predicted_peak_bytes / _MiB:,.1f} MiB"
-        lines.append(f"| {r.config()}{mark} | {peak} | {'yes' if r.fits else 'no'} | {r.relative_cost:.2f} |")
+        if timed:
+            cost = "—" if r.predicted_step_ms is None else f"{r.predicted_step_ms:,.1f}"
+        else:
+            cost = f"{r.relative_cost:.2f}"
+        lines.append(f"| {r.config()}{mark} | {peak} | {'yes' if r.fits else 'no'} | {cost} |")
     return "\n".join(lines)
 
 

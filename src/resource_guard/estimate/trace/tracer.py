@@ -26,7 +26,7 @@ import itertools
 import math
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,25 @@ from resource_guard.estimate.trace.recovery import Recovery
 from resource_guard.estimate.trace.sparse import SparseOps, is_sparse, sparse_parts
 from resource_guard.step.batching import SHADOW_MAX_NUMEL
 
-__all__ = ["CATEGORIES", "PeakRecord", "SHADOW_MAX_NUMEL", "StorageTracker"]
+__all__ = ["CATEGORIES", "PeakRecord", "SHADOW_MAX_NUMEL", "StorageTracker", "observe_ops"]
+
+#: ``(phase, func, args, kwargs, out)`` callbacks told of every traced operator (see :func:`observe_ops`)
+_OP_OBSERVERS: list[Callable[[str, Any, tuple, dict, Any], None]] = []
+
+
+@contextlib.contextmanager
+def observe_ops(observer: Callable[[str, Any, tuple, dict, Any], None]) -> Iterator[None]:
+    """Tell ``observer(phase, func, args, kwargs, out)`` of every operator traced inside the block.
+
+    The step-time model (:mod:`resource_guard.planning.op_time`) counts FLOPs and bytes with it from
+    the same trace the memory estimate runs; queries (sizes, strides) are not reported.
+    """
+    _OP_OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OP_OBSERVERS.remove(observer)
+
 
 CATEGORIES = (
     "parameters",
@@ -421,6 +439,8 @@ class StorageTracker(TorchDispatchMode):
             for t in _written_args(func, args, kwargs):
                 self._resized(t)
         self.op_count += 1
+        for observer in _OP_OBSERVERS:
+            observer(self.phase, func, args, kwargs, out)
         scratch = (extra.scratch_bytes if extra is not None else 0) + self.recovery.take_scratch()
         if scratch and self.recording:
             uid = next(self._uids)
