@@ -665,3 +665,30 @@ def test_bf16_run_traces_under_accelerates_autocast_wrapper(tmp_path):
     assert "forward" in vars(trainer.model) and hasattr(trainer.model, "_original_forward")  # wrapped
     assert guard.plan is not None and guard.plan.precision == "bf16-mixed"
     assert trainer.state.global_step == 2 and guard.shape_stats["batches_checked"] == 2
+
+
+def test_one_plan_printout_the_callback_confirms_what_plan_training_args_printed(tmp_path, capsys):
+    """Issue #40: the plan is printed once (plan_training_args), the callback confirms it in one line; the
+    device the user did not name is "auto-detected"; the settings the plan changed show old → new."""
+    rows = lm_rows(32, 16)
+    args = targs(tmp_path, per_device_train_batch_size=8, max_steps=1)
+    limit = int(0.8 * peak_at(gpt2(), args, rows))  # 8 rows at once do not fit: the plan accumulates
+    planned = plan_training_args(gpt2(), args, rows, memory_limit=limit)
+    printed = capsys.readouterr().err
+    assert "auto-detected" in printed and "asked for" not in printed
+    line = next(x for x in printed.splitlines() if x.startswith("- TrainingArguments:"))
+    assert " → " in line, line  # smaller micro-batches or checkpointing: something changed
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", CKPT):
+        old, new = getattr(args, name), getattr(planned, name)
+        assert (f"{name}={old!r} → {new!r}" if old != new else f"{name}={new!r},") in line, (name, line)
+    guard = ResourceGuardCallback(memory_limit=limit, monitor=False)
+    Trainer(model=gpt2(), args=planned, train_dataset=rows, callbacks=[guard]).train()
+    confirmed = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ResourceGuard")]
+    assert len(confirmed) == 1 and "as plan_training_args planned it" in confirmed[0], confirmed
+    assert any("auto-detected" in r for r in guard.plan.reasons)
+
+    # arguments the user wrote (not planned here): the callback prints the plan it checked, device auto
+    guard = ResourceGuardCallback(memory_limit="1GiB", monitor=False)
+    Trainer(model=gpt2(), args=targs(tmp_path, max_steps=1), train_dataset=rows, callbacks=[guard]).train()
+    full = capsys.readouterr().err
+    assert "- TrainingArguments:" in full and "auto-detected" in full and "as plan_training_args" not in full

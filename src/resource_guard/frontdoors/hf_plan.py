@@ -26,7 +26,8 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from torch import nn
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
     from resource_guard.planning.planner import Plan
 
-__all__ = ["plan_training_args", "say"]
+__all__ = ["auto_detected", "plan_training_args", "planned_by", "render", "say", "settings_text"]
 
 _log = logging.getLogger("resource_guard")
 _MiB = 2**20
@@ -56,6 +57,45 @@ def say(text: str) -> None:
 
 
 _EXPRESSIBLE = ("32-true", "bf16-mixed", "16-mixed")  # the precisions TrainingArguments can express
+# the arguments plan_training_args returned, by id (TrainingArguments are not hashable), with the plan:
+# ResourceGuardCallback then confirms the plan in one line instead of printing it again
+_PLANNED: dict[int, tuple[weakref.ref[Any], Plan]] = {}
+
+
+def planned_by(args: Any) -> Plan | None:
+    """The :class:`~resource_guard.Plan` that :func:`plan_training_args` made ``args`` from (``None``: not
+    planned there, or changed since: its batch, accumulation and precision are no longer the plan's)."""
+    kept = _PLANNED.get(id(args))
+    planned = kept[0]() if kept is not None else None
+    if kept is None or planned is None or planned is not args:
+        return None
+    made = kept[1]
+    same = (
+        planned.per_device_train_batch_size == made.micro_batch_size
+        and planned.gradient_accumulation_steps == made.accumulation_steps
+        and bool(planned.bf16) == (made.precision == "bf16-mixed")
+        and bool(planned.fp16) == (made.precision == "16-mixed")
+    )
+    return made if same else None
+
+
+def _remember(args: Any, made: Plan) -> None:
+    for key in [k for k, (ref, _) in _PLANNED.items() if ref() is None]:
+        del _PLANNED[key]
+    _PLANNED[id(args)] = (weakref.ref(args), made)
+
+
+def auto_detected(made: Plan, device: str | None) -> Plan:
+    """``made`` whose device reason says "auto-detected (the Trainer's device)" where the user named no
+    device (the door plans for ``args.device``, which the planner otherwise takes as asked for)."""
+    if device is not None:
+        return made
+    prefix = f"device {made.device.name} ({made.device.kind}): asked for"
+    reasons = tuple(
+        r.replace(": asked for", ": auto-detected (the Trainer's device)", 1) if r.startswith(prefix) else r
+        for r in made.reasons
+    )
+    return dataclasses.replace(made, reasons=reasons)
 
 
 @overload
@@ -260,11 +300,25 @@ def plan_training_args(
             "precision kept as set (float32: no bf16/fp16 in the TrainingArguments; "
             "`precision='auto'` lets the planner choose)"
         )
+    before = {k: getattr(args, k, None) for k in changes}
     planned = dataclasses.replace(args, **changes)
-    made = dataclasses.replace(made, reasons=(*made.reasons, *notes))
+    made = auto_detected(dataclasses.replace(made, reasons=(*made.reasons, *notes)), device)
+    _remember(planned, made)
     if verbose and int(getattr(args, "process_index", 0) or 0) == 0:
-        say(render(made, changes, time.perf_counter() - started))
+        say(render(made, changes, time.perf_counter() - started, before=before))
     return (planned, made) if return_plan else planned
+
+
+def settings_text(changes: Mapping[str, Any], before: Mapping[str, Any] | None = None) -> str:
+    """``name=value`` for each setting, ``name=old → new`` where ``before`` had another value.
+
+    >>> settings_text({"bf16": True, "gradient_accumulation_steps": 1}, {"bf16": False})
+    'bf16=False → True, gradient_accumulation_steps=1'
+    """
+    old = before or {}
+    return ", ".join(
+        f"{k}={old[k]!r} → {v!r}" if k in old and old[k] != v else f"{k}={v!r}" for k, v in changes.items()
+    )
 
 
 def _strategy(args: Any, world: int) -> str:
@@ -273,11 +327,18 @@ def _strategy(args: Any, world: int) -> str:
     return "ddp" if world > 1 else "single"
 
 
-def render(made: Plan, changes: dict[str, Any], seconds: float, head: str | None = None) -> str:
-    """The plan as the other front doors print it: the decisions, their reasons, the estimate, the table."""
+def render(
+    made: Plan,
+    changes: dict[str, Any],
+    seconds: float,
+    head: str | None = None,
+    before: Mapping[str, Any] | None = None,
+) -> str:
+    """The plan as the other front doors print it: the decisions, their reasons, the estimate, the table.
+    With ``before`` (the user's values), each setting the plan changed shows ``old → new``."""
     from resource_guard.planning.search import render_table
 
-    settings = ", ".join(f"{k}={v!r}" for k, v in changes.items())
+    settings = settings_text(changes, before)
     est, fit = made.estimate, made.fit
     parts = ", ".join(f"{k} {v / _MiB:.1f} MiB" for k, v in est.breakdown.items() if v)
     lines = [

@@ -63,7 +63,7 @@ from resource_guard.errors import (
 from resource_guard.frontdoors import hf_step
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.frontdoors.hf_phases import TrainerPhases
-from resource_guard.frontdoors.hf_plan import render, say
+from resource_guard.frontdoors.hf_plan import auto_detected, planned_by, render, say
 from resource_guard.frontdoors.hf_runtime import (
     ModelHook,
     agree,
@@ -232,7 +232,13 @@ class ResourceGuardCallback(TrainerCallback):
             self._shapes = None  # off on every rank alike
         assert self.plan is not None
         if self.verbose and args.process_index == 0:
-            say(self._render(args, time.perf_counter() - started, notes))
+            seconds = time.perf_counter() - started
+            # arguments plan_training_args made were printed with their plan: one line confirms it
+            say(
+                self._confirm(args, seconds)
+                if planned_by(args) is not None
+                else self._render(args, seconds, notes)
+            )
         if self.monitor:
             self._start_monitor(args, state, train_dataloader)
 
@@ -347,7 +353,7 @@ class ResourceGuardCallback(TrainerCallback):
                     f"ResourceGuardCallback: the shape check is off: {error!r}", ResourceGuardWarning, 3
                 )
                 self._shapes = None
-        self.plan = dataclasses.replace(made, reasons=(*made.reasons, *notes))
+        self.plan = auto_detected(dataclasses.replace(made, reasons=(*made.reasons, *notes)), self.device)
         return notes
 
     def _count_flops(self, model: nn.Module, batch: Any) -> float | None:
@@ -363,6 +369,19 @@ class ResourceGuardCallback(TrainerCallback):
 
         with self._tracing(model):
             return count_flops(model, batch, model_flops_loss)
+
+    def _confirm(self, args: Any, seconds: float) -> str:
+        """One line: the Trainer's step is the one ``plan_training_args`` planned (and printed), and fits."""
+        assert self.plan is not None
+        made = self.plan
+        guard = "; each batch checked before it runs" if self._shapes is not None else ""
+        acc = args.gradient_accumulation_steps
+        used, usable = mib(made.fit.device_total_bytes), mib(made.fit.usable_bytes)
+        return (
+            f"ResourceGuard pre-flight of the Trainer's step ({seconds:.1f} s): as plan_training_args "
+            f"planned it (per-device batch {made.micro_batch_size} × accumulation {acc}, {made.precision}): "
+            f"{used} of {usable} usable on {made.device.name}, fits{guard}"
+        )
 
     def _render(self, args: Any, seconds: float, notes: list[str]) -> str:
         assert self.plan is not None
