@@ -29,6 +29,7 @@ the user's function and file, e.g. ``train.py:40 (train_step)``, the function th
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -107,6 +108,7 @@ _LIBRARY_FRAME = re.compile(
 )
 
 
+@functools.lru_cache(maxsize=4096)  # a window repeats the same frames thousands of times
 def frame_matters(name: str) -> bool:
     """Whether a Python frame (``with_stack``) can change the breakdown: a user's frame (a call site) or a
     closure an optimizer's step runs; a library frame between them is inert and may be left out.
@@ -153,6 +155,7 @@ class EventRecord:
         return self.start_us + (self.total_us if self.total_us is not None else self.duration_us)
 
 
+@functools.lru_cache(maxsize=4096)  # a window repeats the same op names thousands of times
 def classify(name: str, *, on_device: bool) -> str:
     """The class (one of :data:`OP_CLASSES`) of an op or kernel name, by :data:`PATTERNS`."""
     where = "device" if on_device else "host"
