@@ -1,13 +1,15 @@
 """Loops as public scripts write them, each wrapped only in ``with guard(model, optimizer):``.
 
 The loops live in ``benchmarks/real_loops/`` (one file each, ``build()`` and ``train(model, optimizer,
-steps)``): a nanoGPT-like GPT with ``logits, loss = model(X, Y)`` and its own accumulation; an
-mnist-like classifier with a test pass each epoch; time_sequence_prediction's float64 LBFGS closure
-loop. Per loop it prints: whether the pre-flight ran before the first forward, the predicted peak
-(the guard's plan) against the real CPU peak of the loop as written (torch.profiler's memory records
-over the same steps run unguarded, optimizer state created in the first), the optimizer steps the
-guard counted against those the loop ran (a step post-hook of our own), the accumulation it found,
-the report's first finding, and the final loss against the same loop without the guard.
+steps)``): a nanoGPT-like GPT with ``logits, loss = model(X, Y)`` and its own accumulation; an mnist-
+like classifier with a test pass each epoch; time_sequence_prediction's float64 LBFGS closure loop;
+word_language_model's sequence-first LSTM LM with manual SGD updates (``guard(model, None)``, its steps
+counted as a backward then the next forward, its batch dim 1 read from its LSTM). Per loop it prints:
+whether the pre-flight ran before the first forward, the predicted peak (the guard's plan) against the
+real CPU peak of the loop as written (torch.profiler's memory records over the same steps run unguarded,
+optimizer state created in the first), the optimizer steps the guard counted against those the loop ran
+(a step post-hook of our own), the accumulation it found, the report's first finding, and the final loss
+against the same loop without the guard.
 
 Run: ``python benchmarks/real_loops.py [--steps 4]`` (CPU, about a minute).
 """
@@ -29,7 +31,7 @@ from resource_guard import guard
 from resource_guard.estimate.host.measure import allocation_deltas, live_bytes, peak_of
 from resource_guard.estimate.host.quiet import quiet_profile
 
-LOOPS = ("nanogpt", "classifier", "lbfgs")
+LOOPS = ("nanogpt", "classifier", "lbfgs", "word_lm")
 HERE = Path(__file__).parent / "real_loops"
 
 
@@ -47,9 +49,13 @@ def unguarded(loop: Any, steps: int) -> tuple[float, int, int]:
     torch.manual_seed(0)
     model, optimizer = loop.build()
     ran = [0]
-    optimizer.register_step_post_hook(lambda *a: ran.__setitem__(0, ran[0] + 1))
+    count = lambda *a: ran.__setitem__(0, ran[0] + 1)  # noqa: E731
+    if optimizer is not None:
+        optimizer.register_step_post_hook(count)
+    else:  # manual updates: one update a backward, counted where it accumulates the first gradient
+        next(model.parameters()).register_post_accumulate_grad_hook(count)
     gc.collect()
-    start = live_bytes(model, optimizer)
+    start = live_bytes(model, *([optimizer] if optimizer is not None else []))
     with quiet_profile() as prof:
         loss = loop.train(model, optimizer, steps)
     return loss, ran[0], start + peak_of(allocation_deltas(prof))

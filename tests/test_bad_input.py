@@ -211,7 +211,11 @@ BAD_GUARD_ENTER: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("foreign-optimizer", {"optimizer": "foreign"}, ("not the model's",)),
     ("loss-non-scalar", {"loss_fn": lambda m, b: m(b)}, ("scalar",)),
     ("loss-no-grad", {"loss_fn": _no_grad_loss}, ("does not require grad",)),
-    ("sample-batch-no-rows", {"sample_batch": (torch.randn(4, DIM), torch.randn(3))}, ("target_batch_size",)),
+    (
+        "sample-batch-no-rows",
+        {"sample_batch": (torch.randn(4, DIM), torch.randn(3))},
+        ("do not share dim 0", "batch_dim=1"),
+    ),
 ]
 
 

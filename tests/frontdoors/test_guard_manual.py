@@ -155,3 +155,105 @@ def test_g_iterate_without_an_optimizer_is_refused_before_any_step() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with pytest.raises(ConfigurationError, match="Remove `sample_batch=`"):
         guard(model, None, sample_batch=batches(1)[0])
+
+
+# -- the batch dimension: sequence-first loops -------------------------------------------------------
+
+
+def seq_first_loop(model: nn.Module, steps: int) -> list[float]:
+    """word_language_model's loop: (seq, batch) ids, the hidden state carried (detached), flat targets."""
+    return manual_loop(model, steps, batch_first=False, carry=True)
+
+
+def test_a_sequence_first_loop_gets_its_batch_size_from_the_model(tmp_path: Path) -> None:
+    alone = seq_first_loop(fresh(batch_first=False), steps=3)
+    model = fresh(batch_first=False)
+    with guard(model, log_dir=tmp_path, profile=False) as g:  # no batch_dim: the LSTM says so
+        guarded = seq_first_loop(model, steps=3)
+    assert guarded == alone
+    assert g.plan is not None and g.plan.target_batch_size == BATCH and g.plan.micro_batch_size == BATCH
+    assert any("LSTM (batch_first=False)" in r and "dim 1" in r for r in g.plan.reasons)
+    observed = json.loads((tmp_path / "guard.json").read_text())["observed"]
+    assert observed["samples_per_step"] == BATCH and observed["optimizer_steps"] == 3
+
+
+def test_the_sequence_first_peak_is_predicted_within_2_percent_never_under() -> None:
+    model = fresh(batch_first=False)
+    with guard(model, monitor=False) as g:
+        seq_first_loop(model, steps=1)
+    assert g.plan is not None
+    predicted = g.plan.fit.allocated_peak_bytes
+    real = real_peak_bytes(fresh(batch_first=False), batch_first=False)
+    assert real <= predicted <= real * 1.02, (predicted, real)
+
+
+class TransposesItself(nn.Module):
+    """Batch-first inputs, a sequence-first LSTM inside (the model transposes them itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        out, _ = self.rnn(x.transpose(0, 1))
+        return self.head(out[-1])
+
+
+@pytest.mark.parametrize("how", ["declared", "inputs"])
+def test_batch_first_inputs_to_a_sequence_first_layer(how: str) -> None:
+    """``batch_dim=0`` overrules the model's layer; so do inputs that share dim 0 but not dim 1."""
+    model = TransposesItself()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(5, 12, 4), torch.randn(5, 1)
+    inputs = (x,) if how == "declared" else (x, torch.full((5,), 12))
+    with guard(model, optimizer, monitor=False, batch_dim=0 if how == "declared" else None) as g:
+        F.mse_loss(model(*inputs), y).backward()
+        optimizer.step()
+    assert g.plan is not None and g.plan.target_batch_size == 5
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 1), nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.a(x).sum() + self.b(z).sum()
+
+
+def test_an_ambiguous_batch_is_refused_before_any_step_naming_batch_dim() -> None:
+    model = TwoInputs()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with (
+        pytest.raises(ConfigurationError, match=r"cannot tell the batch size.*batch_dim=1") as caught,
+        guard(model, optimizer, monitor=False),
+    ):
+        model(torch.randn(4, 3), torch.randn(6, 3)).backward()
+        optimizer.step()
+    assert "EmbeddingBag" not in str(caught.value)  # the model has none
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_declared_batch_dim_that_the_inputs_do_not_have_is_refused() -> None:
+    model = fresh()  # batch-first, (6, 16) ids: dim 1 is 16, the flat targets are not fed to the model
+    with pytest.raises(ConfigurationError, match=r"`batch_dim=1` declared"), guard(model, None, batch_dim=1):
+        model(torch.zeros(6, 16, dtype=torch.long), (torch.zeros(2, 5, 32), torch.zeros(2, 5, 32)))
+
+
+@pytest.mark.parametrize("bad", [2, -1, "1", True, 1.0])
+def test_batch_dim_is_checked_in_the_constructor(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match=rf"`guard\(batch_dim={bad!r}\)` must be None"):
+        guard(fresh(), None, batch_dim=bad)
+
+
+def test_g_iterate_with_batch_dim_1_is_refused_before_any_step() -> None:
+    model = fresh()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        guard(model, optimizer, batch_dim=1, monitor=False) as g,
+        pytest.raises(ConfigurationError, match="cuts batches along dim 0"),
+    ):
+        for _ in g.iterate(batches(2)):
+            pass

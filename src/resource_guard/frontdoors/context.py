@@ -106,6 +106,11 @@ class Guard:
     (:mod:`~resource_guard.frontdoors.guard.observed`): pre-flight at the first training forward,
     phases, steps and the loop's accumulation counted, the report written at exit; nothing applied.
 
+    ``batch_dim``: where the batch is in the loop's inputs. ``None`` (default): the model says (its first
+    ``batch_first=False`` LSTM/GRU/RNN/``nn.Transformer*`` layer: dim 1), else dim 0; ``1`` declares a
+    sequence-first loop (``(seq, batch, ...)`` inputs, flat ``(seq * batch,)`` targets), observed unchanged
+    (``g.iterate`` cuts along dim 0 and refuses it).
+
     ``eval_sample_batch``: one batch of the evaluation loop (its own batch size and shapes), whose step
     is pre-flighted with the plan, before any training step, as it will run after the first optimizer
     step (see :meth:`evaluate`).
@@ -135,6 +140,7 @@ class Guard:
         worst_case_batch: Any = None,
         check_shapes: bool = True,
         keep_outputs: bool = True,
+        batch_dim: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
@@ -173,6 +179,15 @@ class Guard:
         if not isinstance(keep_outputs, bool):
             raise ConfigurationError(f"`guard(keep_outputs={keep_outputs!r})` must be True or False.")
         self._keep_outputs = keep_outputs
+        from resource_guard.frontdoors.guard.batch_dim import check_batch_dim
+
+        self._batch_dim = check_batch_dim(batch_dim)
+        if self._batch_dim == 1 and sample_batch is not None:
+            raise ConfigurationError(
+                "`guard(..., batch_dim=1, sample_batch=...)`: `g.iterate` cuts batches along dim 0. Leave "
+                "the sequence-first loop unchanged under `with guard(model, optimizer, batch_dim=1):` (the "
+                "guard pre-flights its first forward), or give batch-first batches to `g.iterate`."
+            )
         from resource_guard.frontdoors.shape_guard import check_worst_case_args
 
         check_worst_case_args("guard", max_seq_len, check_shapes)
@@ -259,9 +274,14 @@ class Guard:
     def _setup(self, batch: Any, loader: Any = None) -> None:
         target = self._target if self._target is not None else batch_size_of(batch)
         if target is None:
+            from resource_guard.frontdoors.guard.batch_dim import infer_batch_dim
+
+            said = infer_batch_dim(self.model)[1]
             raise ConfigurationError(
-                "cannot tell the batch size of the sample batch (its tensors do not share dim 0); pass "
-                "`target_batch_size=`."
+                "cannot tell the batch size of the sample batch (its tensors do not share dim 0)"
+                + (f"; the model says why: {said}" if said else "")
+                + ". `g.iterate` cuts batches along dim 0: give it batch-first batches, or leave a "
+                "sequence-first loop unchanged under `with guard(model, optimizer, batch_dim=1):`."
             )
         self._target = target
         loss_fn = self.loss_fn if self.loss_fn is not None else StandInLoss()  # several: a UserStep
@@ -310,7 +330,7 @@ class Guard:
 
         watch = self._watch
         assert watch is not None
-        self.plan, self.device, loss = plan_as_run(
+        self.plan, self.device, loss, dim = plan_as_run(
             self.model,
             self._planned_optimizers,
             args,
@@ -318,7 +338,9 @@ class Guard:
             self.loss_fn,
             self._plan_kwargs,
             self._keep_outputs,
+            self._batch_dim,
         )
+        watch.batch_dim = dim
         self._target = self.plan.target_batch_size
         self.plan = self._with_reasons(
             "unchanged loop: observed through hooks; nothing applied (the loop's device, precision and "
@@ -331,8 +353,12 @@ class Guard:
                 "each training forward that follows a backward"
             )
         if self._monitor_on:
-            batch = forward_batch(args, kwargs)
-            per_sample = flops_per_sample(self.model, batch, loss, self._planned_optimizers)
+            batch, traced = forward_batch(args, kwargs), self.model
+            if dim:  # FLOPs per sample of the batch-first view the plan traced
+                from resource_guard.frontdoors.guard.batch_dim import BatchFirstView, to_batch_first
+
+                traced, batch = BatchFirstView(self.model, dim, batch), to_batch_first(batch, dim)
+            per_sample = flops_per_sample(traced, batch, loss, self._planned_optimizers)
             self._monitor = start_monitor(
                 self._log_dir,
                 self.plan,
@@ -389,6 +415,12 @@ class Guard:
             raise ConfigurationError("call `g.iterate(...)` inside `with guard(...) as g:`.")
         from resource_guard.estimate.closure_step import needs_closure
 
+        if self._batch_dim == 1:  # before step 0: the batches would be cut along the wrong dim
+            raise ConfigurationError(
+                "`g.iterate(...)` with `guard(..., batch_dim=1)`: `g.iterate` cuts batches along dim 0. "
+                "Leave the sequence-first loop unchanged (the guard pre-flights, times and reports it), or "
+                "give `g.iterate` batch-first batches and drop `batch_dim=1`."
+            )
         if not self.optimizers:  # before step 0: g.backward would have nothing to step
             raise ConfigurationError(
                 "`g.iterate(...)` with `guard(model, None)`: the loop updates the parameters by hand, so "

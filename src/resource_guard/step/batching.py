@@ -54,12 +54,13 @@ def _leading_size(batch: Any, who: str) -> int:
     return size
 
 
-def rows_error(batch: Any, who: str) -> ConfigurationError:
+def rows_error(batch: Any, who: str, model: Any = None) -> ConfigurationError:
     """Why ``batch`` has no rows to cut (no common leading dimension), the tensors that differ named.
 
-    A 1-D integer tensor of another length is most likely a flat index tensor (``nn.EmbeddingBag``'s
-    ``(indices, offsets)`` form, as DLRM batches give it): its length counts indices, not samples, and
-    cutting it by rows would cut bags apart; the message says how to give the bags instead.
+    A 1-D integer tensor of another length is a flat index tensor: ``nn.EmbeddingBag``'s ``(indices,
+    offsets)`` form, as DLRM batches give it, when the ``model`` has an EmbeddingBag (or is not known);
+    else most likely the flat targets of a sequence-first batch. Its length counts indices, not samples;
+    the message says what to do for the one the model can take.
 
     Example:
         >>> batch = (torch.zeros(4, 3), torch.zeros(32, dtype=torch.long), torch.arange(0, 32, 8))
@@ -81,7 +82,14 @@ def rows_error(batch: Any, who: str) -> ConfigurationError:
         "dimension must share its first one)."
     )
     flat = [path for path, _ in odd if _is_flat_index(batch, path)]
-    if flat:
+    bags = model is None or any(type(m).__name__ == "EmbeddingBag" for m in model.modules())
+    if flat and not bags:
+        message += (
+            f" {', '.join(flat)} looks like flat targets (`(seq * batch,)`) of a sequence-first batch, whose "
+            "batch is dim 1: leave the loop unchanged under `with guard(model, optimizer, batch_dim=1):`, "
+            "or give batch-first tensors."
+        )
+    elif flat:
         message += (
             f" {', '.join(flat)} looks like a flat index tensor (`nn.EmbeddingBag(indices, offsets)`): its "
             "length counts indices, not samples, so it cannot be cut by rows. Give the bags as a 2-D "

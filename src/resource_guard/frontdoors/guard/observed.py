@@ -45,7 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from resource_guard.errors import DoesNotFitError, ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
+from resource_guard.frontdoors.guard.batch_dim import rows_along, to_batch_first
 from resource_guard.step.training import (
     StandInLoss,
     _as_loss,
@@ -58,6 +59,7 @@ from resource_guard.step.training import (
 __all__ = [
     "LoopLoss",
     "LoopWatch",
+    "batch_dim_of",
     "forward_batch",
     "gradients_kept_plan",
     "loop_precision",
@@ -240,6 +242,7 @@ class LoopWatch:
         self.steps = 0  # optimizer steps of the loop (every optimizer stepped once)
         self.forwards_per_step: dict[int, int] = {}  # accumulation found: forwards a step -> steps
         self.samples_per_step: int | None = None  # samples of the first complete step
+        self.batch_dim = 0  # where the batch is in the forward's inputs (set at the pre-flight)
         self.planned = False
         self.broken = False
         self._inside = False  # our own pre-flight runs the (copied) model: not the loop's
@@ -320,10 +323,13 @@ class LoopWatch:
                 self.clock.switch("forward")
             if self.monitor is not None:
                 batch = forward_batch(args, kwargs)
-                self._step_samples += batch_size_of(batch) or 0
+                rows = rows_along(batch, self.batch_dim)
+                self._step_samples += rows or 0
+                if self.batch_dim and rows:  # samples and tokens counted batch-first
+                    batch = to_batch_first(batch, self.batch_dim, rows)
                 self.monitor.batch_ready(batch)
-        except DoesNotFitError:
-            raise  # the pre-flight's verdict: stop before this forward runs
+        except (DoesNotFitError, ConfigurationError):
+            raise  # the pre-flight's verdict, or a batch it cannot read: stop before this forward runs
         except Exception as error:
             self._fail(error)
 
@@ -465,6 +471,34 @@ class LoopWatch:
         }
 
 
+def batch_dim_of(model: nn.Module, batch: Any, declared: int | None) -> tuple[int, int, str | None]:
+    """``(dim, rows, reason)``: where the batch of the loop's inputs is and its size.
+
+    ``declared`` (``guard(batch_dim=)``) is taken as it is; else the model's first sequence layer says
+    (:func:`~resource_guard.frontdoors.guard.batch_dim.infer_batch_dim`), falling back to dim 0 when the
+    inputs do not share the dim it names but share dim 0 (a model that transposes its inputs itself).
+
+    Raises:
+        ConfigurationError: the batch size cannot be told (the message names ``batch_dim=``).
+    """
+    from resource_guard.frontdoors.guard.batch_dim import ambiguous_batch_error, infer_batch_dim, rows_along
+
+    if declared is not None:
+        rows = rows_along(batch, declared)
+        if rows is None:
+            raise ambiguous_batch_error(batch, declared, f"`batch_dim={declared}` declared", model)
+        return declared, rows, f"batch dim {declared}: declared (`batch_dim={declared}`)"
+    dim, reason = infer_batch_dim(model)
+    rows = rows_along(batch, dim)
+    if rows is not None:
+        return dim, rows, reason
+    if dim != 0:
+        rows = batch_size_of(batch)
+        if rows is not None:
+            return 0, rows, f"batch dim 0: the inputs share dim 0, not dim {dim} ({reason})"
+    raise ambiguous_batch_error(batch, dim, reason, model)
+
+
 def plan_as_run(
     model: nn.Module,
     optimizers: tuple[torch.optim.Optimizer, ...],
@@ -473,25 +507,30 @@ def plan_as_run(
     loss_fn: Callable[[nn.Module, Any], Any] | None,
     plan_kwargs: Mapping[str, Any],
     keep_outputs: bool = True,
-) -> tuple[Any, torch.device, LoopLoss]:
+    batch_dim: int | None = None,
+) -> tuple[Any, torch.device, LoopLoss, int]:
     """The plan of the step the loop is about to run: the first forward's inputs, the loop's precision
-    and device, no checkpointing. Returns ``(plan, torch device, loss)``.
+    and device, no checkpointing. Returns ``(plan, torch device, loss, batch dim)``.
+
+    A batch whose batch is dim 1 (declared, or said by the model: :func:`batch_dim_of`) is planned as
+    batch-first views, the model wrapped to move them back
+    (:class:`~resource_guard.frontdoors.guard.batch_dim.BatchFirstView`).
 
     Raises:
         DoesNotFitError: that step does not fit (the plan's micro-batch, the largest that fits, is in
             the message and the error's ``report``).
-        ConfigurationError: the inputs' batch size cannot be told.
+        ConfigurationError: the inputs' batch size cannot be told (the message names ``batch_dim=``).
     """
-    from resource_guard.errors import ConfigurationError
+    import dataclasses
+
+    from resource_guard.frontdoors.guard.batch_dim import BatchFirstView, to_batch_first
     from resource_guard.frontdoors.guard.setup import make_plan
 
     batch = forward_batch(args, kwargs)
-    rows = batch_size_of(batch)
-    if rows is None:
-        raise ConfigurationError(
-            "cannot tell the batch size of the first forward's inputs (their tensors do not share dim 0); "
-            "pass `guard(..., sample_batch=...)` with one batch and loop with `g.iterate`."
-        )
+    dim, rows, dim_reason = batch_dim_of(model, batch, batch_dim)
+    traced: nn.Module = model
+    if dim != 0:
+        traced, batch = BatchFirstView(model, dim, batch), to_batch_first(batch, dim, rows)
     own = next((p.device for p in model.parameters()), torch.device("cpu"))
     kw = dict(plan_kwargs)
     if kw.get("device", "auto") == "auto":
@@ -501,7 +540,9 @@ def plan_as_run(
     loss = LoopLoss(bool(args) and bool(kwargs), loss_fn)
     loss.keep_outputs = keep_outputs
     with torch.autocast(own.type, enabled=False):  # the trace applies the loop's precision itself
-        made, device = make_plan(model, optimizers, batch, loss, rows, kw)
+        made, device = make_plan(traced, optimizers, batch, loss, rows, kw)
+    if dim_reason is not None:
+        made = dataclasses.replace(made, reasons=(*made.reasons, dim_reason))
     if made.micro_batch_size < rows:
         fit = made.fit
         raise DoesNotFitError(
@@ -513,7 +554,7 @@ def plan_as_run(
             f"{rows}).\n\n{made.summary()}",
             made,
         )
-    return made, device, loss
+    return made, device, loss, dim
 
 
 def gradients_kept_plan(plan: Any, forward: int) -> tuple[Any, str]:
