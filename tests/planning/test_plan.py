@@ -490,3 +490,17 @@ def test_plan_refuses_a_flat_embedding_bag_batch_naming_the_leaf():
 
     with pytest.raises(ConfigurationError, match=r"plan\(batch=...\).*batch\[1\] has 64.*flat index"):
         plan(bag, torch.optim.SGD, (torch.zeros(16, 3), idx, offsets), loss, device="cpu")
+
+
+def test_plan_names_flat_targets_of_a_sequence_first_batch_without_embedding_bag_text():
+    """``(tokens (seq, batch), targets (seq * batch,))`` for an LSTM LM: the flat leaf is the targets of a
+    sequence-first batch, and the message says so; EmbeddingBag is named only for a model that has one."""
+    lm = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 100))
+    tokens, targets = torch.randint(0, 100, (12, 4)), torch.randint(0, 100, (48,))
+
+    def loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(batch[0]).flatten(0, 1), batch[1])
+
+    with pytest.raises(ConfigurationError, match=r"batch\[1\] has 48.*sequence-first.*batch_dim=1") as raised:
+        plan(lm, torch.optim.SGD, (tokens, targets), loss, device="cpu")
+    assert "EmbeddingBag" not in str(raised.value)

@@ -357,7 +357,7 @@ def plan(
         policy = fsdp_precision(precision, fsdp_mixed_precision)
     except ConfigurationError as exc:
         raise ConfigurationError(f"`plan(fsdp_mixed_precision={fsdp_mixed_precision!r})`: {exc}") from None
-    target, per_rank = _batch_per_rank(batch, target_batch_size, world_size)
+    target, per_rank = _batch_per_rank(batch, target_batch_size, world_size, model)
     blocks = find_checkpoint_blocks(model)
     ckpt_options, strategies = _options(model, blocks, checkpointing, world_size, strategy)
     strategies, skipped = _replicas_that_cannot_fit(model, precision, spec, strategies)
@@ -511,11 +511,13 @@ def _target_device(
     return spec, [reason]
 
 
-def _batch_per_rank(batch: Any, target_batch_size: int | None, world_size: int) -> tuple[int, int]:
-    """The effective batch over all ranks and its share per rank."""
+def _batch_per_rank(
+    batch: Any, target_batch_size: int | None, world_size: int, model: nn.Module | None = None
+) -> tuple[int, int]:
+    """The effective batch over all ranks and its share per rank (``model``: for what the error names)."""
     sample = batch_size_of(batch)
     if sample is None:
-        raise rows_error(batch, "plan(batch=...)")
+        raise rows_error(batch, "plan(batch=...)", model)
     if sample == 0:
         raise ConfigurationError("`plan(batch=...)`: the sample batch has 0 rows; pass at least one sample.")
     target = target_batch_size if target_batch_size is not None else sample * world_size

@@ -73,8 +73,11 @@ def rows_error(batch: Any, who: str, model: Any = None) -> ConfigurationError:
             f"`{who}`: the batch has no tensor with a leading dimension to cut along (a 0-d tensor or "
             "no tensor at all); give a batch whose tensors share dim 0 (the rows)."
         )
+    # the rows are what most tensors share, a flat index or target tensor's length counting only on a tie
+    # loss (a sequence-first LM's (tokens, flat targets) is one of each)
     sizes = [n for _, n in rows]
-    common = max(set(sizes), key=sizes.count)
+    shaped = [n for path, n in rows if not _is_flat_index(batch, path)] or sizes
+    common = max(set(sizes), key=lambda n: (sizes.count(n), shaped.count(n)))
     odd = [(path, n) for path, n in rows if n != common]
     message = (
         f"`{who}`: cannot cut the batch into rows, its tensors' leading dimensions differ: most have "
