@@ -309,15 +309,7 @@ class Guard:
         several = len(self.optimizers) > 1
         self._micro = MicroBatches(self._shapes, several)
         if self._monitor_on:
-            self._monitor = start_monitor(
-                self._log_dir,
-                self.plan,
-                self.device,
-                profile=self._profile,
-                memory_history=self._history,
-                shapes=self._shapes,
-                optimizers=self.optimizers,
-            )
+            self._monitor = self._start_monitor(self._shapes)
             self._clock = self._monitor.phases if self._monitor is not None else None
             self._stepper.clock = self._clock
             for check in self._evals.checks:  # pre-flighted with the plan: into the report too
@@ -359,15 +351,7 @@ class Guard:
 
                 traced, batch = BatchFirstView(self.model, dim, batch), to_batch_first(batch, dim)
             per_sample = flops_per_sample(traced, batch, loss, self._planned_optimizers)
-            self._monitor = start_monitor(
-                self._log_dir,
-                self.plan,
-                self.device,
-                profile=self._profile,
-                memory_history=self._history,
-                shapes=None,
-                optimizers=self.optimizers,
-            )
+            self._monitor = self._start_monitor(None)
             self._clock = self._monitor.phases if self._monitor is not None else None
             watch.monitor, watch.clock, watch.flops_per_sample = self._monitor, self._clock, per_sample
 
@@ -378,6 +362,19 @@ class Guard:
         if self.plan is not None:
             self.plan, line = gradients_kept_plan(self.plan, forward)
             self._call_monitor("note", line)
+
+    def _start_monitor(self, shapes: Any) -> Any:
+        """The run monitor of this plan: phases, the profiler window, the report at exit."""
+        assert self.plan is not None  # planned before any monitor starts
+        return start_monitor(
+            self._log_dir,
+            self.plan,
+            self.device,
+            profile=self._profile,
+            memory_history=self._history,
+            shapes=shapes,
+            optimizers=self.optimizers,
+        )
 
     def _start_shape_guard(self, batch: Any, loss_fn: LossFn, loader: Any) -> None:
         from resource_guard.frontdoors.shape_guard import start_shape_guard

@@ -191,6 +191,10 @@ class StandInLoss:
         own = _own_loss(output)
         if own is not None:
             return own
+        return self.stand_in(output)
+
+    def stand_in(self, output: Any) -> torch.Tensor:
+        """The stand-in loss over ``output``'s floating tensors (and the note that one was used)."""
         tensors = _standin_tensors(output)
         if not tensors:
             return _as_loss(output)  # nothing to stand in for: the default's clear error

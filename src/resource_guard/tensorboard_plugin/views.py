@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from resource_guard.report.breakdown import PHASE_LABELS
 from resource_guard.report.types import PHASES
 from resource_guard.tensorboard_plugin.runs import RunEvents, RunFiles, load_events, read_json
 
@@ -21,18 +22,6 @@ __all__ = ["MiB", "overview", "ranked_findings", "step_time", "memory", "plan", 
 
 MiB = 1024**2
 _SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
-PHASE_LABELS = {
-    "data_wait": "data wait",
-    "forward": "forward",
-    "backward": "backward",
-    "optimizer": "optimizer",
-    "host": "host (between steps)",
-    "evaluation": "evaluation",
-    "checkpoint": "checkpoint",
-    "logging": "logging",
-    "communication": "communication",
-    "other": "other",
-}
 
 
 def _ms(seconds: Any) -> float | None:

@@ -50,8 +50,6 @@ from resource_guard.frontdoors.guard.batch_dim import rows_along, to_batch_first
 from resource_guard.step.training import (
     StandInLoss,
     _as_loss,
-    _standin_of,
-    _standin_tensors,
     batch_size_of,
     iter_tensors,
 )
@@ -144,14 +142,7 @@ class LoopLoss(StandInLoss):
         own = _returned_loss(output)
         if own is not None:
             return own
-        tensors = _standin_tensors(output)
-        if not tensors:
-            return _as_loss(output)
-        self.used = True
-        total = _standin_of(tensors[0])
-        for tensor in tensors[1:]:
-            total = total + _standin_of(tensor)
-        return total
+        return self.stand_in(output)
 
     def __repr__(self) -> str:
         return "LoopLoss()"
