@@ -4,7 +4,9 @@ The loops live in ``benchmarks/real_loops/`` (one file each, ``build()`` and ``t
 steps)``): a nanoGPT-like GPT with ``logits, loss = model(X, Y)`` and its own accumulation; an mnist-
 like classifier with a test pass each epoch; time_sequence_prediction's float64 LBFGS closure loop;
 word_language_model's sequence-first LSTM LM with manual SGD updates (``guard(model, None)``, its steps
-counted as a backward then the next forward, its batch dim 1 read from its LSTM). Per loop it prints:
+counted as a backward then the next forward, its batch dim 1 read from its LSTM); transformers'
+run_clm_no_trainer loop (``outputs = model(**batch)``, ``outputs.loss``, its own accumulation of 2) on a
+GPT-2 built from its config. Per loop it prints:
 whether the pre-flight ran before the first forward, the predicted peak (the guard's plan) against the
 real CPU peak of the loop as written (torch.profiler's memory records over the same steps run unguarded,
 optimizer state created in the first), the optimizer steps the guard counted against those the loop ran
@@ -31,7 +33,7 @@ from resource_guard import guard
 from resource_guard.estimate.host.measure import allocation_deltas, live_bytes, peak_of
 from resource_guard.estimate.host.quiet import quiet_profile
 
-LOOPS = ("nanogpt", "classifier", "lbfgs", "word_lm")
+LOOPS = ("nanogpt", "classifier", "lbfgs", "word_lm", "hf_causal_lm")
 HERE = Path(__file__).parent / "real_loops"
 
 
@@ -93,6 +95,7 @@ def guarded(loop: Any, steps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--only", nargs="*", choices=LOOPS, default=LOOPS, help="the loops to run")
     args = parser.parse_args(argv)
     mib = 2**20
     print(
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         "| accumulation | first finding | final loss guarded vs alone |"
     )
     print("|---|:-:|---:|---:|---:|:-:|:-:|---|---|")
-    for name in LOOPS:
+    for name in args.only:
         loop = load(name)
         alone, ran, real = unguarded(loop, args.steps)
         got = guarded(loop, args.steps)
