@@ -26,6 +26,7 @@ LAYERS = (
     ("report",),
     ("observe",),
     ("frontdoors",),
+    ("tensorboard_plugin",),  # reads what the doors wrote
     ("testing",),
     ("cli", "cli_input", "demo"),
 )
