@@ -16,13 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as L
 import pytest
-from lightning.pytorch.demos.boring_classes import BoringModel
 
 from cdp_client import Browser, chromium_binary
+from lightning_run import write_lightning_run
 from resource_guard.demo import run_demo
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
 
 pytestmark = [
     pytest.mark.browser,
@@ -41,16 +39,7 @@ FRAME = "document.querySelector('iframe') && document.querySelector('iframe').co
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("runs")
     run_demo(steps=3, batch_size=4, seq_len=16, log_dir=str(root / "demo"))
-    L.Trainer(
-        default_root_dir=root / "light",
-        max_steps=4,
-        log_every_n_steps=1,
-        callbacks=[ResourceGuard()],
-        accelerator="cpu",
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    ).fit(BoringModel())
+    write_lightning_run(root / "light", max_steps=4, log_every_n_steps=1)
     return root
 
 

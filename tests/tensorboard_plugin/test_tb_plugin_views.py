@@ -9,16 +9,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as L
 import pytest
 import torch
-from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 from werkzeug.test import Client
 
+from lightning_run import write_lightning_run
 from resource_guard import guard
 from resource_guard.cli import main
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
 from resource_guard.tensorboard_plugin import compare_reports, find_runs
 from resource_guard.tensorboard_plugin.plugin import TAB_NAME, ResourceGuardPlugin
 
@@ -40,16 +38,7 @@ def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tb_runs")
     _guard_run(root / "fast", checkpoint_s=0.0)
     _guard_run(root / "slow_ckpt", checkpoint_s=0.03)
-    L.Trainer(
-        default_root_dir=root / "light",
-        max_steps=6,
-        log_every_n_steps=2,
-        callbacks=[ResourceGuard()],
-        accelerator="cpu",
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    ).fit(BoringModel())
+    write_lightning_run(root / "light", max_steps=6, log_every_n_steps=2)
     return root
 
 
