@@ -1,7 +1,8 @@
 """``resource-guard``: pre-flight a training step from the command line, list devices, print run reports.
 
 Exit codes: 0 fits (also "fits tight", inside the headroom, with a warning line; `--strict` makes that 1),
-1 does not fit or grew beyond its memory budget (``--budget FILE``), 2 bad input (a one-paragraph
+1 does not fit or grew beyond its memory budget (``--budget FILE``), or ``compare``'s step time regressed
+beyond ``--max-step-regression``, 2 bad input (a one-paragraph
 message, never a traceback).
 """
 
@@ -453,26 +454,57 @@ def _parser() -> argparse.ArgumentParser:
         description="What changed from RUN_A to RUN_B: step time, each phase (ms per step, the largest "
         "change first), peak memory and the estimate (MiB), and the findings that appeared or went. "
         "Each run is a report.json, a run's log dir, or a log dir with a report.json below it. "
-        "Exit 2 when either has no readable report.",
+        "With --max-step-regression, exit 1 when RUN_B's step time regressed beyond it (the speed gate "
+        "for CI, beside preflight's memory budget). Exit 2 when either has no readable report.",
     )
     cmp.add_argument("run_a", help="the first run (the baseline)")
     cmp.add_argument("run_b", help="the second run")
     cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    cmp.add_argument(
+        "--max-step-regression",
+        default=None,
+        metavar="PCT",
+        help="speed gate (CI): exit 1 when RUN_B's mean step time is more than PCT above RUN_A's "
+        "(10%% or 0.1)",
+    )
     return parser
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from resource_guard.tensorboard_plugin.compare import compare_reports, compare_text, load_report
+    from resource_guard.tensorboard_plugin.compare import (
+        compare_reports,
+        compare_text,
+        load_report,
+        parse_regression,
+        step_gate,
+    )
 
+    limit = None
+    if args.max_step_regression is not None:
+        try:
+            limit = parse_regression(args.max_step_regression)
+        except ValueError as exc:
+            raise _BadInput(f"--max-step-regression {exc}") from None
     a, b = load_report(args.run_a), load_report(args.run_b)
     if a is None or b is None:
         path = args.run_a if a is None else args.run_b
         raise _BadInput(f"no readable report.json in {path!r} (is it the log dir of a finished run?)")
+    gate = None
+    if limit is not None:
+        try:
+            gate = step_gate(a, b, limit)
+        except ValueError as exc:
+            raise _BadInput(f"--max-step-regression: {exc}") from None
     if args.json:
-        print(json.dumps(compare_reports(a, b), indent=2))
+        data = compare_reports(a, b)
+        if gate is not None:
+            data["step_gate"] = {"passed": gate[0], "max_regression": limit, "message": gate[1]}
+        print(json.dumps(data, indent=2))
     else:
         print(compare_text(a, b, args.run_a, args.run_b))
-    return 0
+        if gate is not None:
+            print(f"\nspeed gate: {'passed' if gate[0] else 'FAILED'}: {gate[1]}")
+    return 0 if gate is None or gate[0] else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

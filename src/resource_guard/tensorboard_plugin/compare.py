@@ -6,10 +6,16 @@ Example:
     >>> b = {"summary": {"step_time_s": 0.3, "phases": {"forward": 0.1, "backward": 0.2}}, "findings": []}
     >>> compare_reports(a, b)["changed_phase"]
     'backward'
+    >>> step_gate(a, b, 0.10)
+    (False, 'step time 200.0 -> 300.0 ms: +50.0%, over the +10.0% allowed')
+
+The speed gate (:func:`step_gate`) is the CI check beside the memory budget: ``resource-guard compare
+BASE NEW --max-step-regression 10%`` exits 1 when NEW's mean step time is more than 10% above BASE's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,7 +23,7 @@ from typing import Any
 from resource_guard.report.types import PHASES
 from resource_guard.tensorboard_plugin.views import PHASE_LABELS, MiB, verdict_words
 
-__all__ = ["compare_reports", "compare_text", "load_report"]
+__all__ = ["compare_reports", "compare_text", "load_report", "parse_regression", "step_gate"]
 
 
 def _delta(a: float | None, b: float | None, scale: float) -> dict[str, float | None]:
@@ -120,3 +126,52 @@ def _row(label: str, d: Mapping[str, Any], unit: str) -> str:
         return "-" if v is None else f"{v:,.2f}"
 
     return f"{label:28}{cell(d['a']):>12}{cell(d['b']):>12}{_signed(d['delta'], unit):>14}"
+
+
+def parse_regression(text: str) -> float:
+    """The step-time regression allowed, as a fraction: ``"10%"`` or ``"0.1"`` -> 0.1.
+
+    Raises ``ValueError`` (with the accepted forms) for anything else: a negative value, a bare number
+    above 1 (``"10"`` is ambiguous: write ``"10%"``), or text that is not a number.
+
+    >>> parse_regression("10%"), parse_regression("0.25"), parse_regression("2.5 %")
+    (0.1, 0.25, 0.025)
+    """
+    raw = str(text).strip()
+    percent = raw.endswith("%")
+    try:
+        value = float(raw[:-1].strip() if percent else raw)
+    except ValueError:
+        value = math.nan
+    if percent:
+        value /= 100.0
+    if not (math.isfinite(value) and value >= 0) or (not percent and value > 1):
+        raise ValueError(
+            f"{text!r} is not a step-time regression: write a percentage (10%) or a fraction (0.1)"
+        )
+    return value
+
+
+def _step_time(report: Mapping[str, Any], name: str) -> float:
+    value = (report.get("summary") or {}).get("step_time_s")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(
+            f"the {name} run has no measured step time (summary.step_time_s is {value!r}): "
+            "compare the reports of two runs that trained at least two steps"
+        )
+    return float(value)
+
+
+def step_gate(a: Mapping[str, Any], b: Mapping[str, Any], max_regression: float) -> tuple[bool, str]:
+    """``(passed, one line)``: whether run ``b``'s mean step time is at most ``1 + max_regression``
+    times run ``a``'s (two ``report.json`` dicts). Raises ``ValueError`` when either run has no
+    measured step time (a run that took no step, or not a report of a training run)."""
+    ta, tb = _step_time(a, "base"), _step_time(b, "new")
+    change = tb / ta - 1.0
+    passed = change <= max_regression
+    words = f"step time {ta * 1e3:.1f} -> {tb * 1e3:.1f} ms: {change:+.1%}"
+    return passed, words + (
+        f", within the +{max_regression:.1%} allowed"
+        if passed
+        else f", over the +{max_regression:.1%} allowed"
+    )
