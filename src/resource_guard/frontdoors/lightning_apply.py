@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import DataLoader
 
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardError
+from resource_guard.frontdoors.lightning_hooks import call_training_step
 from resource_guard.frontdoors.lightning_internals import (
     before_batch_transfer,
     data_from_module,
@@ -227,7 +228,7 @@ class _TrainingStepLoss:
     keep_outputs = False
 
     def __call__(self, module: Any, batch: Any) -> Any:
-        out = module.training_step(batch, 0)
+        out = call_training_step(module, batch)
         if out is None:
             raise ConfigurationError(
                 "`training_step` returned None on the first batch (a skipped step): ResourceGuard needs the "

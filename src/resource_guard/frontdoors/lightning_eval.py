@@ -39,6 +39,7 @@ from resource_guard.devices import DeviceSpec, parse_memory_limit, resolve_devic
 from resource_guard.errors import DoesNotFitError, ResourceGuardWarning
 from resource_guard.frontdoors import lightning_apply as ap
 from resource_guard.frontdoors.eval_preflight import EvalCheck, EvalPreflights
+from resource_guard.frontdoors.lightning_hooks import call_eval_step
 from resource_guard.frontdoors.lightning_internals import before_batch_transfer
 from resource_guard.step.precision import PRECISIONS
 
@@ -148,7 +149,7 @@ def preflight_loops(
             for i, batch, count in _first_batches(trainer, pl_module, stage):
 
                 def loss_fn(module: Any, b: Any, i: int = i, count: int = count) -> Any:
-                    return getattr(module, hook)(b, 0, i) if count > 1 else getattr(module, hook)(b, 0)
+                    return call_eval_step(module, hook, b, 0, i if count > 1 else None)
 
                 before = len(checks.checks)
                 with ap.detached_trainer(pl_module):

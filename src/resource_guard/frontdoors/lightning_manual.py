@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
 from resource_guard.estimate.user_step import NoOptimizer, StepContext, UserStep, count_user_step_flops
+from resource_guard.frontdoors.lightning_hooks import call_training_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -71,7 +72,7 @@ def manual_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> UserStep:
     def run(step: StepContext) -> None:
         module: Any = step.model  # the LightningModule's fake copy
         _answer_on_the_copy(module, step, schedulers, clip)
-        module.training_step(step.batch, 0)
+        call_training_step(module, step.batch)  # `batch_idx` only where it is taken, as Lightning
 
     return UserStep(run, name=f"{type(pl_module).__name__}.training_step (manual optimization)")
 
