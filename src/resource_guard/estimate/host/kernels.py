@@ -280,6 +280,8 @@ def kernel_extra(
         return KernelExtra(max(extra.scratch_bytes, copied))
     if func in _EMBEDDING_BAGS and cpu:
         return _offset2bag_bytes(args, out)
+    if func in _UNREDUCED_LOSSES:
+        return _unreduced_loss_bytes(func, args, kwargs, out, size_of)
     if func is _aten.index.Tensor:
         positions = _mask_positions_bytes(args, out)
         return KernelExtra(positions) if positions else None
@@ -300,6 +302,48 @@ def kernel_extra(
 
 
 _EMBEDDING_BAGS = {_aten._embedding_bag.default, _aten._embedding_bag_forward_only.default}
+# ATen's pointwise losses with a reduction compute the unreduced loss into a buffer and reduce into it:
+# the 0-d loss returned keeps that whole buffer as its storage (fp32 ``mse_loss`` of a (16, 40) input:
+# a 0-d tensor on 2,560 bytes; its fake: 4). A loop that holds its loss (``loss = criterion(out, y)``
+# until the next step; LBFGS's first closure loss through its step) holds the buffer.
+_UNREDUCED_LOSSES = {
+    getattr(_aten, name).default
+    for name in ("mse_loss", "smooth_l1_loss", "binary_cross_entropy", "soft_margin_loss")
+    if hasattr(_aten, name)
+}
+
+
+def _unreduced_loss_bytes(
+    func: Any, args: tuple, kwargs: dict, out: Any, size_of: Callable[[torch.Tensor], int | None]
+) -> KernelExtra | None:
+    """The storage of a reduced pointwise loss (:data:`_UNREDUCED_LOSSES`): probed on the real kernel,
+    above the probe budget the broadcast shape of its inputs in the output's dtype.
+
+    Example:
+        >>> a, b = torch.zeros(16, 40), torch.zeros(40)
+        >>> extra = _unreduced_loss_bytes(_aten.mse_loss.default, (a, b), {}, torch.zeros(()), lambda t: None)
+        >>> extra.output_bytes
+        (2560,)
+    """
+    if not isinstance(out, torch.Tensor) or out.dim() != 0:
+        return None  # reduction="none": the fake's output is the buffer already
+    tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+    if len(tensors) < 2:
+        return None
+    shape = torch.broadcast_shapes(tensors[0].shape, tensors[1].shape)
+    rule = KernelExtra(0, (shape.numel() * out.element_size(),))
+    if shape.numel() * out.element_size() * 4 > PROBE_BUDGET_BYTES:
+        return rule
+    key = (_signature(func, args, kwargs), torch.get_num_threads())
+    found = _CACHE.get(key)
+    if found is None:
+        try:
+            probed = _probe(func, args, kwargs, size_of)
+            found = KernelExtra(probed.scratch_bytes, probed.output_bytes)
+        except Exception:  # a probe is a refinement; without it the broadcast buffer stands
+            found = rule
+        _CACHE[key] = found
+    return found
 
 
 def _offset2bag_bytes(args: tuple, out: Any) -> KernelExtra | None:
