@@ -14,9 +14,12 @@ raises, for a log dir that cannot be written. The first interval is the first st
 data-loader workers, lazy inits); the run-level figures leave it out. Under ``torch.distributed``
 every rank aggregates each interval (one collective per log boundary; every rank must reach the same
 step counts): gauges and times are the mean over ranks (``*_max`` tags add the slowest rank), peak
-memory the maximum, throughput the job's total; rank zero alone writes. The end-of-run summary goes
-to the ``resource_guard`` logger at INFO when that logger is enabled for INFO, else to stderr
-(``summary=False`` silences it).
+memory the maximum, throughput the job's total; rank zero alone writes. At close one more gather brings
+every rank's own step time and phases to every rank: the report's phases are the node's (the mean
+rank's) and the ``straggler`` finding names a rank the others wait for. A monitor given no rank
+(``guard``) takes its rank and world size from the initialised process group at ``start``. The
+end-of-run summary goes to the ``resource_guard`` logger at INFO when that logger is enabled for INFO,
+else to stderr (``summary=False`` silences it).
 
 The interval arithmetic is in :mod:`resource_guard.observe.stats`; what is recorded at each log
 boundary and written at close, in :mod:`resource_guard.observe.outputs`.
@@ -224,6 +227,10 @@ class RunMonitor(MonitorOutputs):
         """Check the log dir (raises ``ConfigurationError``), then start sampling and timing. Idempotent."""
         if self._started or self._closed:
             return
+        if self.world_size == 1 and _distributed():  # a door that did not say (guard): the process group's
+            import torch.distributed as dist
+
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.rank == 0 and self.log_dir is not None:
             try:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -433,9 +440,12 @@ class RunMonitor(MonitorOutputs):
                 f"{self._traced_steps} step(s) that the profiler traced are left out of the step time and "
                 "phases (recording slows every op); the op breakdown comes from them"
             )
+        collective = exc is None or not _distributed()
         if self._timer is not None and not self._broken and self._timer.steps:
-            collective = exc is None or not _distributed()
             self._guard("interval logging", lambda: self._log_interval(_clock(), collective=collective))
+        if self._timer is not None and not self._broken and collective:
+            with self._close_part("rank gather"):
+                self._guard("rank figures", self._gather_ranks)
         if self._sampler is not None:
             self._warn_sampler()
         if not self._started:

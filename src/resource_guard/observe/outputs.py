@@ -26,8 +26,17 @@ from resource_guard.observe.oom import SNAPSHOT_FILE, OomEvent, memory_history, 
 from resource_guard.observe.optimizer_facts import describe_optimizer, foreach_probe
 from resource_guard.observe.phases import PhaseClock, phase_means
 from resource_guard.observe.sampler import peak_rss_bytes, reset_peak_rss
-from resource_guard.observe.stats import METRIC_KEYS, interval_row, job_row, run_stats, tensorboard_scalars
-from resource_guard.observe.throughput import aggregate_rows, peak_flops_per_s
+from resource_guard.observe.stats import (
+    METRIC_KEYS,
+    interval_row,
+    job_row,
+    node_phases,
+    rank_figures,
+    rank_row,
+    run_stats,
+    tensorboard_scalars,
+)
+from resource_guard.observe.throughput import aggregate_rows, gather_rows, peak_flops_per_s
 from resource_guard.planning.projection_result import remaining_markdown, remaining_run
 from resource_guard.report.breakdown import phase_line
 from resource_guard.report.findings import Report, RunStats
@@ -96,6 +105,10 @@ class MonitorOutputs:
     _compile_start: Any = None  # dynamo's counters at start
     _close_parts: dict[str, float]  # seconds by part of close() (the report shows the slower ones)
     _probed: bool = False  # an end-of-run probe ran: at most one per run
+    # this rank's own (steps, wall s, data wait s): the start-up interval, and the intervals after it
+    _own_first: tuple[int, float, float] | None = None
+    _own_body: tuple[int, float, float] = (0, 0.0, 0.0)
+    _ranks: tuple[dict[str, Any], ...] = ()  # every rank's figures, gathered at close under DDP
 
     @property
     def _files_dir(self) -> Path | None:  # the monitor's: where report and OOM files go
@@ -123,6 +136,11 @@ class MonitorOutputs:
         if phase_totals is not None:  # the data wait is the loader's own __next__, not the gap
             wait = min(phase_totals["data_wait"], iv.wall_s)
             iv = dataclasses.replace(iv, data_wait_s=wait, compute_s=iv.wall_s - wait)
+        if not self._intervals:  # this rank's own figures, for the gather at close (_gather_ranks)
+            self._own_first = (iv.steps, iv.wall_s, iv.data_wait_s)
+        else:
+            steps, wall, waited = self._own_body
+            self._own_body = (steps + iv.steps, wall + iv.wall_s, waited + iv.data_wait_s)
         gauges = self._sampler.drain() if self._sampler is not None else {}
         device_compute_s = None
         if self._events:
@@ -174,6 +192,20 @@ class MonitorOutputs:
                 self._phase_sums[key] = self._phase_sums.get(key, 0.0) + value
             self._phase_steps += steps
         return {f"phase/{key}_s": value / steps for key, value in totals.items()}
+
+    def _gather_ranks(self) -> None:
+        """Under ``torch.distributed``, at close: every rank's own step time, data wait and phases reach
+        every rank (one gather), for the ``straggler`` finding and the node's phases in the report."""
+        import torch.distributed as dist
+
+        if self.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return
+        steps, wall, waited = self._own_body if self._own_body[0] else self._own_first or (0, 0.0, 0.0)
+        totals, phase_steps = (
+            (self._phase_sums, self._phase_steps) if self._phase_steps else self._phase_first or ({}, 0)
+        )
+        row = rank_row(steps, wall, waited, totals, phase_steps)
+        self._ranks = rank_figures(gather_rows(row, self._collective_device()))
 
     def _collective_device(self) -> torch.device | None:
         import torch.distributed as dist
@@ -242,7 +274,17 @@ class MonitorOutputs:
         return tuple(out)
 
     def _with_phases(self, stats: RunStats) -> RunStats:
-        """``stats`` with the step split by phase; the data wait is then the loader's own ``__next__``."""
+        """``stats`` with the step split by phase; the data wait is then the loader's own ``__next__``.
+        Under DDP (ranks gathered at close) the phases are the node's: each the mean over the ranks."""
+        if self._ranks:
+            stats = dataclasses.replace(stats, ranks=self._ranks)
+            means = node_phases(self._ranks, stats.step_time_s)
+            if means is not None:
+                step = stats.step_time_s
+                share = means["data_wait"] / step if step else None
+                return dataclasses.replace(
+                    stats, phases=means, data_wait_s=means["data_wait"], data_wait_share=share
+                )
         if self.phases is None and not self._phase_steps and self._phase_first is None:
             return stats
         totals, steps = (

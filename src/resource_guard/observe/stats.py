@@ -15,14 +15,27 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from resource_guard.observe.phases import phase_means
 from resource_guard.observe.profiling import ProfileSummary
 from resource_guard.observe.throughput import Interval
 from resource_guard.report.findings import RunStats, available_cores
+from resource_guard.report.types import PHASES
 
 if TYPE_CHECKING:
     from resource_guard.devices import DeviceSpec
 
-__all__ = ["METRIC_KEYS", "RANK_MAX_KEYS", "interval_row", "job_row", "tensorboard_scalars", "run_stats"]
+__all__ = [
+    "METRIC_KEYS",
+    "RANK_MAX_KEYS",
+    "RANK_ROW_KEYS",
+    "interval_row",
+    "job_row",
+    "node_phases",
+    "rank_figures",
+    "rank_row",
+    "tensorboard_scalars",
+    "run_stats",
+]
 
 _GPU_KEYS = ("util_percent", "memory_used_bytes", "power_w", "temperature_c", "sm_clock_mhz")
 _HOST_KEYS = ("process_cpu_percent", "process_rss_bytes", "system_cpu_percent", "available_ram_bytes")
@@ -222,3 +235,54 @@ def run_stats(
         reserved_gap_bytes=None if math.isnan(gap) else int(gap),
         expandable_segments=expandable_segments,
     )
+
+
+# one rank's own figures over the run (the start-up step left out when there are others), gathered
+# from every rank at close: the straggler rule's input, and the node's phases
+RANK_ROW_KEYS = ("steps", "wall_s", "data_wait_s", "phase_steps", *(f"phase/{p}" for p in PHASES))
+
+
+def rank_row(
+    steps: int, wall_s: float, data_wait_s: float, phase_totals: Mapping[str, float], phase_steps: int
+) -> list[float]:
+    """This rank's row of :data:`RANK_ROW_KEYS` (phase totals in seconds over ``phase_steps`` steps)."""
+    phases = [float(phase_totals.get(p, 0.0)) for p in PHASES]
+    return [float(steps), float(wall_s), float(data_wait_s), float(phase_steps), *phases]
+
+
+def rank_figures(rows: Sequence[Sequence[float]]) -> tuple[dict[str, Any], ...]:
+    """Every rank's figures from the gathered rows (rank order): steps, its own mean step time and data
+    wait, and its phases (mean seconds per step, adding up to its step; ``None`` when it timed none).
+
+    Example:
+        >>> row = rank_row(10, 0.5, 0.1, {"data_wait": 0.1, "forward": 0.2}, 10)
+        >>> r = rank_figures([row])[0]
+        >>> r["rank"], r["step_time_s"], round(r["phases"]["other"], 3)
+        (0, 0.05, 0.02)
+    """
+    out = []
+    for rank, row in enumerate(rows):
+        values = dict(zip(RANK_ROW_KEYS, row))
+        steps = int(values["steps"])
+        step_s = values["wall_s"] / steps if steps else None
+        phase_steps = int(values["phase_steps"])
+        totals = {p: values[f"phase/{p}"] for p in PHASES}
+        phases = phase_means(totals, phase_steps, step_s) if phase_steps else None
+        out.append({
+            "rank": rank,
+            "steps": steps,
+            "step_time_s": step_s,
+            "data_wait_s": values["data_wait_s"] / steps if steps else None,
+            "phases": phases,
+        })  # fmt: skip
+    return tuple(out)
+
+
+def node_phases(ranks: Sequence[Mapping[str, Any]], step_time_s: float | None) -> dict[str, float] | None:
+    """The job's phases: each the mean over the ranks that timed phases, ``other`` the remainder of
+    ``step_time_s``; ``None`` when no rank timed phases."""
+    timed = [r["phases"] for r in ranks if r.get("phases")]
+    if not timed:
+        return None
+    totals = {p: sum(float(t.get(p, 0.0)) for t in timed) for p in PHASES if p != "other"}
+    return phase_means(totals, len(timed), step_time_s)

@@ -30,6 +30,7 @@ __all__ = [
     "Interval",
     "StepTimer",
     "aggregate_rows",
+    "gather_rows",
     "batch_counts",
     "count_flops",
     "peak_flops_per_s",
@@ -169,11 +170,7 @@ def aggregate_rows(
     if not (dist.is_available() and dist.is_initialized()):
         values = [float(v) for v in row]
         return values, values
-    metric = _RowGather()
-    if device is not None:
-        metric = metric.to(device)
-    metric.update(torch.tensor([float(v) for v in row], dtype=torch.float64, device=device))
-    rows = metric.compute().reshape(-1, len(row)).cpu()
+    rows = torch.tensor(gather_rows(row, device), dtype=torch.float64)
     known = ~torch.isnan(rows)
     counts = known.sum(0)
     sums = torch.where(known, rows, torch.zeros_like(rows)).sum(0)
@@ -181,6 +178,25 @@ def aggregate_rows(
     maxes = torch.where(known, rows, torch.full_like(rows, -math.inf)).max(0).values
     maxes = torch.where(counts > 0, maxes, torch.full_like(maxes, math.nan))
     return means.tolist(), maxes.tolist()
+
+
+def gather_rows(row: Sequence[float], device: torch.device | None = None) -> list[list[float]]:
+    """Every rank's ``row``, in rank order (one collective; every rank gets them all).
+
+    Without an initialised process group, ``[row]``. Every rank must call this with rows of the same
+    length (``NaN`` for unknown).
+    """
+    import torch.distributed as dist
+
+    values = [float(v) for v in row]
+    if not (dist.is_available() and dist.is_initialized()):
+        return [values]
+    metric = _RowGather()
+    if device is not None:
+        metric = metric.to(device)
+    metric.update(torch.tensor(values, dtype=torch.float64, device=device))
+    rows: list[list[float]] = metric.compute().reshape(-1, len(values)).cpu().tolist()
+    return rows
 
 
 def _row_gather_class() -> type:

@@ -38,6 +38,7 @@ from resource_guard.report.memory_rules import rule_fragmentation, rule_memory_g
 from resource_guard.report.op_rules import OP_RULES
 from resource_guard.report.phase_rules import MIN_GAIN_SHARE, PHASE_RULES
 from resource_guard.report.shape_findings import rule_shapes
+from resource_guard.report.straggler import rule_straggler
 from resource_guard.report.types import Finding, RunStats
 
 __all__ = [
@@ -322,6 +323,7 @@ def rule_estimate_drift(s: RunStats) -> Finding | None:
 RULES: tuple[Callable[[RunStats], Finding | None], ...] = (
     rule_oom,
     rule_shapes,
+    rule_straggler,
     rule_input_bound,
     *PHASE_RULES,
     rule_launch_bound,

@@ -40,6 +40,7 @@ FINDING_IDS = (
     "threads",
     "recompiles",
     "comm-bound",
+    "straggler",  # one rank is slower than the others, who wait for it (report/straggler.py)
     "healthy",
 )
 # The phases a training step's wall time is split into (``RunStats.phases``: mean seconds per step),
@@ -271,6 +272,9 @@ class RunStats:
     # the monitor's close up to this report (seconds), and its parts that took 10 ms or more
     close_s: float | None = None
     close_parts: Mapping[str, float] | None = None
+    # under torch.distributed, every rank's own figures gathered at close (one collective):
+    # ``{"rank", "steps", "step_time_s", "data_wait_s", "phases"}``, for the straggler rule
+    ranks: tuple[Mapping[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -285,6 +289,7 @@ class RunStats:
         out["threads"] = None if self.threads is None else dict(self.threads)
         out["compile"] = None if self.compile is None else dict(self.compile)
         out["close_parts"] = None if self.close_parts is None else dict(self.close_parts)
+        out["ranks"] = [dict(r) for r in self.ranks]
         return out
 
     @classmethod
@@ -295,6 +300,7 @@ class RunStats:
             values["profile"] = ProfileSummary.from_dict(values["profile"])
         values["notes"] = tuple(values.get("notes", ()))
         values["optimizers"] = tuple(values.get("optimizers", ()))
+        values["ranks"] = tuple(values.get("ranks", ()))
         return cls(**values)
 
 
