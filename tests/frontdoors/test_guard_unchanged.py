@@ -471,3 +471,44 @@ def test_g_iterate_with_a_closure_optimizer_is_refused_before_any_step() -> None
             for x, y in g.iterate(data):
                 g.backward(F.mse_loss(model(x), y))
     assert g.optimizer_steps == 0
+
+
+def test_a_later_larger_batch_that_does_not_fit_stops_before_its_forward() -> None:
+    """An unchanged loop whose batches grow (a longer sequence later on): each new shape is checked
+    against the plan before its forward runs; the first that does not fit stops the loop there."""
+    model, optimizer = fresh()
+    with guard(model, optimizer, monitor=False) as g:
+        model(*get_batch(torch.Generator().manual_seed(0)))[1].backward()
+        optimizer.step()
+    assert g.plan is not None
+    small = g.plan.fit.allocated_peak_bytes
+    limit = int(small * 1.5 / 0.9)  # a batch of 4 fits, one of 32 does not (headroom 0.1)
+    model, optimizer = fresh()
+    calls: list[int] = []
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(
+        DoesNotFitError, match=r"batch shape 32×16 .* micro-batch of 32 .* stopped before"
+    ) as caught:
+        with guard(model, optimizer, monitor=False, memory_limit=limit):
+            model.register_forward_pre_hook(lambda m, _: calls.append(1) if m is model else None)
+            for batch_size in (4, 4, 32):
+                _, loss = model(*get_batch(gen, batch_size))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    assert len(calls) == 2  # the two batches of 4 ran; the batch of 32 never started
+    assert caught.value.report is not None
+
+
+def test_a_later_batch_of_a_known_shape_is_not_traced_again() -> None:
+    model, optimizer = fresh()
+    gen = torch.Generator().manual_seed(0)
+    with guard(model, optimizer, monitor=False) as g:
+        for batch_size in (4, 4, 2, 4, 2):
+            _, loss = model(*get_batch(gen, batch_size))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert g.optimizer_steps == 5
+    shapes = g.summary().get("shapes") or {}
+    assert shapes.get("batches_checked") == 4 and shapes.get("shapes_seen") == 2

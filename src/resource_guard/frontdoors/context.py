@@ -163,19 +163,20 @@ class Guard:
                 "updates the parameters itself, so `g.iterate`/`g.backward` cannot step it. Remove "
                 "`sample_batch=` and leave the loop unchanged: the guard pre-flights its first forward."
             )
-        from resource_guard.devices import parse_memory_limit
+        from resource_guard.frontdoors.vocabulary import check_shared
         from resource_guard.planning.planner import _check_args
 
+        # the settings every door shares, in the same words (frontdoors/vocabulary.py)
+        precision = check_shared(
+            "guard", memory_limit=memory_limit, precision=precision, target_batch_size=target_batch_size,
+            max_seq_len=max_seq_len, log_dir=log_dir, profile=profile, monitor=monitor,
+        )  # fmt: skip
         _check_args(headroom, target_batch_size, 1, "auto", checkpointing, call="guard")
-        if memory_limit is not None:
-            parse_memory_limit(memory_limit, "guard")
         catalog = check_device_and_catalog(device, catalog)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ConfigurationError(f"`guard(clip_grad_norm={clip_grad_norm!r})` must be > 0 or None.")
         if not isinstance(memory_history, bool):
             raise ConfigurationError(f"`guard(memory_history={memory_history!r})` must be True or False.")
-        if precision not in (None, "auto"):
-            parse_precision(precision)  # an unknown name fails here, before anything else
         if not isinstance(keep_outputs, bool):
             raise ConfigurationError(f"`guard(keep_outputs={keep_outputs!r})` must be True or False.")
         self._keep_outputs = keep_outputs
@@ -334,6 +335,8 @@ class Guard:
         )
         watch.batch_dim = dim
         self._target = self.plan.target_batch_size
+        if self._worst[2]:  # check_shapes: a later forward of a larger shape is refused before it runs
+            self._start_observed_shape_guard(forward_batch(args, kwargs), loss, dim)
         self.plan = self._with_reasons(
             "unchanged loop: observed through hooks; nothing applied (the loop's device, precision and "
             "batch run as written); to let the guard apply a plan, loop with `g.iterate` and `g.backward`"
@@ -354,6 +357,34 @@ class Guard:
             self._monitor = self._start_monitor(None)
             self._clock = self._monitor.phases if self._monitor is not None else None
             watch.monitor, watch.clock, watch.flops_per_sample = self._monitor, self._clock, per_sample
+
+    def _start_observed_shape_guard(self, batch: Any, loss: Any, dim: int) -> None:
+        """The shape guard of an unchanged loop: planned on its first forward's inputs (batch-first when
+        its batch is dim ``dim``); the watch asks it before each later training forward."""
+        watch = self._watch
+        assert watch is not None and self.plan is not None
+        model: nn.Module = self.model
+        if dim:
+            from resource_guard.frontdoors.guard.batch_dim import BatchFirstView, to_batch_first
+
+            model, batch = BatchFirstView(self.model, dim, batch), to_batch_first(batch, dim)
+        self._start_shape_guard_on(model, batch, loss)  # the watch's own hooks are quiet here
+        watch.shapes = self._shapes
+
+    def _start_shape_guard_on(self, model: nn.Module, batch: Any, loss: Any) -> None:
+        from resource_guard.frontdoors.shape_guard import start_shape_guard
+
+        assert self.plan is not None
+        try:
+            self._shapes, notes = start_shape_guard(
+                model, self.optimizer, batch, loss, self.plan, *self._worst[:2], whole_batches=True
+            )
+        except DoesNotFitError:
+            raise
+        except Exception as error:  # our check never stops the run
+            warnings.warn(f"resource_guard: the shape check is off: {error!r}", ResourceGuardWarning, 4)
+            notes = []
+        self.plan = self._with_reasons(*notes)
 
     def _gradients_kept(self, forward: int) -> None:
         """The unchanged loop's first forward on gradients kept: its later micro-steps' peak, refitted."""

@@ -295,18 +295,20 @@ def start_shape_guard(
     loader: Any = None,
     traced_plan: bool = True,
     trace_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    whole_batches: bool = False,
 ) -> tuple[ShapeGuard, list[str]]:
     """The shape guard of a run planned on ``batch``, with the worst case checked before any step.
 
-    The plan's checkpointing is taken as already applied to ``model``. Returns the guard and the lines
-    for the plan's reasons (what the worst case needs, and how such a batch is split).
+    The plan's checkpointing is taken as already applied to ``model``; ``whole_batches``: the loop runs
+    each batch whole (an unchanged loop), so a batch is checked at all its rows. Returns the guard and
+    the lines for the plan's reasons (what the worst case needs, and how such a batch is split).
 
     Raises:
         DoesNotFitError: not even one row of the worst case fits (with a :class:`ShapeReport`).
     """
     model_ = ShapeModel(
         model, optimizer, batch, loss_fn, plan, checkpoint_applied=True, traced_plan=traced_plan,
-        trace_context=trace_context,
+        trace_context=trace_context, whole_batches=whole_batches,
     )  # fmt: skip
     shapes = ShapeGuard(model_)
     notes: list[str] = []

@@ -146,8 +146,11 @@ class ShapeModel:
         checkpoint_applied: bool = False,
         traced_plan: bool = True,
         trace_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        whole_batches: bool = False,
     ) -> None:
         self.model, self.optimizer, self.loss_fn, self.plan = model, optimizer, loss_fn, plan
+        # an unchanged loop runs each batch whole: its micro-batch is the batch, not the plan's
+        self._whole = whole_batches
         self._sample = sample_batch
         self._base = signature_of(sample_batch)
         self._micro = plan.micro_batch_size
@@ -163,7 +166,7 @@ class ShapeModel:
         self._learned: set[tuple[frozenset[Position], bool]] = set()
         self._plan_traces = 0
         rows = batch_size_of(sample_batch) or self._micro
-        micro = min(rows, self._micro)
+        micro = rows if whole_batches else min(rows, self._micro)
         if traced_plan and micro == self._micro:  # the plan's traced figure is this signature's
             total = plan.fit.device_total_bytes
             self.seen[self._base] = self._fit_from(self._base, rows, micro, total, "plan")
@@ -250,7 +253,7 @@ class ShapeModel:
     def _decide(self, batch: Any, signature: Signature) -> ShapeFit:
         axis = self._axis(signature)
         rows = batch_size_of(batch) or 1
-        micro = min(rows, self._micro)
+        micro = rows if self._whole else min(rows, self._micro)
         if axis is not None:
             _, positions, length = axis
             kept = self._kept(micro)

@@ -226,6 +226,7 @@ class LoopWatch:
         self.grads_kept_at: int | None = None  # the forward of a step that first ran on gradients kept
         self.monitor: Any = None
         self.clock: Any = None
+        self.shapes: Any = None  # the ShapeGuard: a later forward's shape checked before it runs
         self.flops_per_sample: float | None = None  # for MFU, once a step's samples are known
         self.forwards = 0  # training forwards outside optimizer steps
         self.closure_forwards = 0  # training forwards inside an optimizer step (LBFGS's closure)
@@ -293,6 +294,8 @@ class LoopWatch:
                     self._first_forward(args, kwargs)
                 finally:
                     self._inside = False
+            elif self.shapes is not None and not self._in_step:
+                self._check_shape(args, kwargs)
             if self._in_step:
                 self.closure_forwards += 1
                 return
@@ -323,6 +326,22 @@ class LoopWatch:
             raise  # the pre-flight's verdict, or a batch it cannot read: stop before this forward runs
         except Exception as error:
             self._fail(error)
+
+    def _check_shape(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A later training forward: its shape against the plan (cached per shape; a new one traced),
+        :class:`~resource_guard.errors.DoesNotFitError` before it runs when it does not fit. The loop
+        cannot be told to split its batch: the error says how to let the guard do it."""
+        batch = forward_batch(args, kwargs)
+        if self.batch_dim:
+            rows = rows_along(batch, self.batch_dim)
+            if rows is None:
+                return
+            batch = to_batch_first(batch, self.batch_dim, rows)
+        self._inside = True
+        try:
+            self.shapes.stop_if_too_big(batch)
+        finally:
+            self._inside = False
 
     def _grads_allocated(self) -> bool:
         return any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
