@@ -47,7 +47,9 @@ def test_nccl_ranks_show_communication_and_its_exposed_part(name: str, world: in
     classes = dict(s.op_class_us)
     assert f"of {world} (nccl)" in s.notes[-1]
     assert s.steps >= 3 and s.step_wall_us and s.comm_us > 0
-    assert classes["communication"] == pytest.approx(s.comm_us, rel=0.01)
+    # the class is the median over the steps, comm_us their mean: within the steps' spread
+    spread = dict(s.op_class_spread_us)["communication"]
+    assert abs(classes["communication"] - s.comm_us) <= spread + 0.01 * s.comm_us
     assert 0 < s.exposed_comm_us < s.comm_us  # partly overlapped by backward
     assert classes["matmul"] > 0 and classes["elementwise"] > 0
     assert sum(classes.values()) <= 1.2 * s.device_busy_us

@@ -21,16 +21,19 @@ Example:
     >>> user_frame(("torch/nn/modules/module.py(1775): _call_impl", "train.py(42): step"))
     'train.py:42 (step)'
 
-A Python frame of the profiler's stack (``with_stack``) is named by the line its function starts at
-(or, for a frame already running when the window opened, the line it was at then): a call site is
-the user's function and file, e.g. ``train.py:40 (train_step)``, the function that made the call.
+A call site is the user's line that made the op: where the reader of a live window gave each op its
+site (``EventRecord.site``, from the profiler's event tree: the line of the call and the module the op
+ran in, e.g. ``model.py:31 (forward) in blocks.3.attn.proj (Linear)``), that one; else (a recorded
+Chrome trace) the innermost user Python frame, named by the line its function starts at.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import re
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -40,7 +43,11 @@ __all__ = [
     "SYNC_CALLS",
     "EventRecord",
     "OpBreakdown",
+    "STALL_FACTOR",
+    "STALL_STEP_SHARE",
     "classify",
+    "is_library_file",
+    "merge_paths",
     "frame_matters",
     "user_frame",
     "op_breakdown",
@@ -104,8 +111,27 @@ _CLOSURE_FRAME = re.compile(r": \w*closure$")  # ``optimizer.step(closure)``'s c
 # frames that are not the user's: the libraries between the user's line and the op
 _LIBRARY_FRAME = re.compile(
     r"^(<built-in|<frozen)|(^|/)(torch|torchvision|lightning|lightning_fabric|pytorch_lightning|"
-    r"resource_guard|typing|contextlib|functools|threading)(/|\.py)"
+    r"transformers|accelerate|resource_guard|typing|contextlib|functools|threading|runpy)(/|\.py)"
 )
+# the demo plays the user: its loop and model are the code a call site should name
+_USER_IN_LIBRARY = re.compile(r"(^|/)resource_guard/demo\.py")
+
+
+@functools.lru_cache(maxsize=4096)
+def is_library_file(name: str) -> bool:
+    """Whether a file (or a Python frame's name, ``file.py(12): fn``) is a library's, not the user's.
+
+    >>> is_library_file("torch/nn/modules/module.py"), is_library_file("my_project/train.py")
+    (True, False)
+    """
+    if _USER_IN_LIBRARY.search(name):
+        return False
+    if _LIBRARY_FRAME.search(name):
+        return True
+    # a file that is not Python source nor ``<stdin>``/``<ipython-input-…>``: a console script's wrapper
+    # (``venv/bin/resource-guard(8): <module>``), or a record function's name (``nn.Module: Linear_0``)
+    file = name.split("(", 1)[0]
+    return not file.endswith(".py") and not file.startswith("<")
 
 
 @functools.lru_cache(maxsize=4096)  # a window repeats the same frames thousands of times
@@ -116,11 +142,16 @@ def frame_matters(name: str) -> bool:
     >>> frame_matters("train.py(12): step"), frame_matters("torch/nn/modules/module.py(1751): _call_impl")
     (True, False)
     """
-    return not _LIBRARY_FRAME.search(name) or bool(_CLOSURE_FRAME.search(name))
+    return not is_library_file(name) or bool(_CLOSURE_FRAME.search(name))
 
 
 _FRAME = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\)(: (?P<fn>.+))?$")
 _MAX_SITES = 5
+# A stall: one op call 20 times slower than the median of its kind (same op, same shapes) is the
+# machine (a page fault, a descheduled thread, a blocked allocation), not the op; from 5% of the median
+# step it would move a class's share, so it is set apart and counted at its kind's usual time.
+STALL_FACTOR = 20.0
+STALL_STEP_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -136,6 +167,9 @@ class EventRecord:
         total_us: inclusive duration (host spans; ``None``: ``duration_us``).
         thread: host thread id (spans enclose ops of their own thread only).
         python: a Python frame (``with_stack``), not an op.
+        site: the op's call site where the reader knew it (the profiler's event tree: the user's line
+            of the call and the module it ran in, :func:`resource_guard.observe.profiling.op_sites`);
+            ``None``: taken from the enclosing Python frames (the line their function starts at).
     """
 
     name: str
@@ -147,6 +181,7 @@ class EventRecord:
     total_us: float | None = None
     thread: int = 0
     python: bool = False
+    site: str | None = None
 
     @property
     def end_us(self) -> float | None:
@@ -172,7 +207,7 @@ def user_frame(stack: Sequence[str]) -> str | None:
     skipped: the line that matters is the user's call that led to the op.
     """
     for frame in stack:
-        if _LIBRARY_FRAME.search(frame):
+        if is_library_file(frame):
             continue
         match = _FRAME.match(frame)
         if match:
@@ -195,6 +230,10 @@ class OpBreakdown:
         sync_sites / cast_sites: ``(file:line, calls per step, us per step)``, most expensive first.
         comm_us / exposed_comm_us: communication kernel time per step, and the part of it no compute
             kernel overlapped.
+        class_spread_us: per class, half the range of its per-step values over the window's steps
+            (``class_us`` is their median).
+        stalls: ``(op, us, call site)`` of single op calls far slower than their kind (see
+            :func:`op_breakdown`): counted at their kind's usual time, not in the classes.
     """
 
     timeline: str
@@ -205,21 +244,44 @@ class OpBreakdown:
     cast_sites: tuple[tuple[str, float, float], ...] = ()
     comm_us: float = 0.0
     exposed_comm_us: float = 0.0
+    class_spread_us: tuple[tuple[str, float], ...] = ()
+    stalls: tuple[tuple[str, float, str | None], ...] = ()
 
 
 def op_breakdown(events: Iterable[EventRecord], steps: int) -> OpBreakdown:
     """Group a window's events by class, per step (a pure function of the events).
+
+    Each class's time per step is the median over the window's steps (``ProfilerStep#`` spans; ops
+    outside them are shared out evenly), with its spread (half the range of the steps' values): one
+    slow step does not move it. A single op call far slower than the other calls of that op with the
+    same shapes (:data:`STALL_FACTOR` times their median, and at least :data:`STALL_STEP_SHARE` of the
+    median step) is a stall (:attr:`OpBreakdown.stalls`): it counts at the median of its kind, never as
+    the share of its class.
 
     Args:
         events: the window's records (steps, ops, runtime calls, kernels, Python frames).
         steps: steps in the window (the per-step divisor).
     """
     per = max(steps, 1)
+    events = list(events)
+    spans = sorted(
+        (e.start_us, e.end_us or e.start_us)
+        for e in events
+        if e.name.startswith("ProfilerStep") and e.start_us is not None
+    )
     evs = [e for e in events if not e.name.startswith("ProfilerStep")]
+    evs, stalls = _without_stalls(evs, spans)
     device = [e for e in evs if e.on_device]
     host = [e for e in evs if not e.on_device and not e.python]
     on_device = any(not e.name.startswith("Memset") for e in device)
-    totals = dict.fromkeys(OP_CLASSES, 0.0)
+    starts = [a for a, _ in spans]
+    by_step = [dict.fromkeys(OP_CLASSES, 0.0) for _ in spans]
+    pooled = dict.fromkeys(OP_CLASSES, 0.0)
+
+    def charge(ev: EventRecord, cls: str) -> None:
+        k = _step_index(starts, spans, ev.start_us)
+        (by_step[k] if k >= 0 else pooled)[cls] += ev.duration_us
+
     optimizer_ops, cast_ops, sites = _enclosures(evs)
     sync_sites: dict[str, list[float]] = {}
     cast_sites: dict[str, list[float]] = {}
@@ -227,7 +289,7 @@ def op_breakdown(events: Iterable[EventRecord], steps: int) -> OpBreakdown:
     sync_ends: list[float] = []
     for ev in host:
         cls = classify(ev.name, on_device=False)
-        site = sites.get(id(ev))
+        site = ev.site if ev.site is not None else sites.get(id(ev))
         if cls == "sync":
             # a GPU run's sync is the blocking runtime call (inside aten::item, .cpu(), …); a CPU
             # run has none, and its scalar reads (aten::item, one per .item()) are counted instead
@@ -239,22 +301,22 @@ def op_breakdown(events: Iterable[EventRecord], steps: int) -> OpBreakdown:
                 _add(sync_sites, site, ev.duration_us, 1)
                 if ev.end_us is not None:
                     sync_ends.append(ev.end_us)
-            totals["sync"] += ev.duration_us
+            charge(ev, "sync")
             continue
         if id(ev) in cast_ops and cls != "communication":
             cls = "casts"  # inside a copy: its result's allocation (empty_strided, empty_like)
+        if id(ev) in optimizer_ops and cls != "communication":
+            cls = "optimizer"  # an optimizer's copies are its step's time, not a cast site
         if cls == "casts":  # aten::to > _to_copy > copy_: one call per copy_, the time of all three
             _add(cast_sites, site, ev.duration_us, int(ev.name == "aten::copy_"))
-        if id(ev) in optimizer_ops and cls != "communication":
-            cls = "optimizer"
         if not on_device:
-            totals[cls] += ev.duration_us
+            charge(ev, cls)
     comm: list[tuple[float, float]] = []
     compute: list[tuple[float, float]] = []
     for ev in device:
         cls = classify(ev.name, on_device=True)
         if on_device:
-            totals[cls] += ev.duration_us
+            charge(ev, cls)
         if ev.start_us is None or ev.name.startswith(("Memcpy", "Memset")):
             continue
         (comm if cls == "communication" else compute).append((ev.start_us, ev.start_us + ev.duration_us))
@@ -262,16 +324,81 @@ def op_breakdown(events: Iterable[EventRecord], steps: int) -> OpBreakdown:
     comm_us = _measure(comm_union)
     exposed = comm_us - _measure(_intersect(comm_union, compute_union))
     busy = _union([(e.start_us, e.start_us + e.duration_us) for e in device if e.start_us is not None])
+    medians, spreads = {}, {}
+    for c in OP_CLASSES:
+        if by_step:
+            values = [row[c] + pooled[c] / len(by_step) for row in by_step]
+            medians[c], spreads[c] = statistics.median(values), (max(values) - min(values)) / 2
+        else:
+            medians[c], spreads[c] = pooled[c] / per, 0.0
     return OpBreakdown(
         timeline="device" if on_device else "host",
-        class_us=tuple((c, totals[c] / per) for c in OP_CLASSES),
+        class_us=tuple((c, medians[c]) for c in OP_CLASSES),
         syncs=syncs / per,
         sync_idle_us=_idle_after(busy, sync_ends) / per if on_device else 0.0,
         sync_sites=_top(sync_sites, per),
         cast_sites=_top(cast_sites, per),
         comm_us=comm_us / per,
         exposed_comm_us=max(0.0, exposed) / per,
+        class_spread_us=tuple((c, spreads[c]) for c in OP_CLASSES),
+        stalls=tuple((ev.name, round(us, 1), sites.get(id(ev)) or ev.site) for ev, us in stalls),
     )
+
+
+def _may_stall(ev: EventRecord) -> bool:
+    """A host aten op that does its own work: a blocking call (a sync, a runtime call waiting for the
+    device) takes as long as what it waits for, and a device event's name does not say its size."""
+    return (
+        not ev.python
+        and not ev.on_device
+        and ev.name.startswith("aten::")
+        and classify(ev.name, on_device=False) != "sync"
+    )
+
+
+def _step_index(starts: list[float], spans: list[tuple[float, float]], t: float | None) -> int:
+    """The step span ``t`` falls in (-1: none, or unknown)."""
+    if t is None or not spans:
+        return -1
+    k = bisect.bisect_right(starts, t) - 1
+    return k if k >= 0 and t < spans[k][1] else -1
+
+
+def _without_stalls(
+    evs: list[EventRecord], spans: list[tuple[float, float]]
+) -> tuple[list[EventRecord], list[tuple[EventRecord, float]]]:
+    """``evs`` with each stall (see :func:`op_breakdown`) at the median time of its kind, and the stalls
+    with the time each took. Only ops of a kind called at least three times can be told from their
+    kind's usual time."""
+    if not spans:
+        return evs, []
+    walls = sorted(b - a for a, b in spans)
+    floor_us = STALL_STEP_SHARE * walls[len(walls) // 2]
+    kinds: dict[tuple[str, tuple[tuple[int, ...], ...]], list[float]] = {}
+    for ev in evs:
+        if _may_stall(ev) and ev.duration_us >= floor_us:  # only kinds with a candidate need their calls
+            kinds.setdefault((ev.name, ev.input_shapes), [])
+    if not kinds:
+        return evs, []
+    for ev in evs:
+        times = kinds.get((ev.name, ev.input_shapes))
+        if times is not None and _may_stall(ev):
+            times.append(ev.duration_us)
+    usual = {k: statistics.median(v) for k, v in kinds.items() if len(v) >= 3}
+    out, stalls = [], []
+    for ev in evs:
+        typical = usual.get((ev.name, ev.input_shapes))
+        if (
+            typical is not None
+            and _may_stall(ev)
+            and ev.duration_us >= floor_us
+            and ev.duration_us >= STALL_FACTOR * max(typical, 1.0)
+        ):
+            stalls.append((ev, ev.duration_us))
+            out.append(dataclasses.replace(ev, duration_us=typical))
+        else:
+            out.append(ev)
+    return out, stalls
 
 
 def _add(table: dict[str, list[float]], site: str | None, us: float, calls: int) -> None:
@@ -281,8 +408,61 @@ def _add(table: dict[str, list[float]], site: str | None, us: float, calls: int)
 
 
 def _top(table: dict[str, list[float]], per: int) -> tuple[tuple[str, float, float], ...]:
-    rows = sorted(table.items(), key=lambda kv: -kv[1][1])[:_MAX_SITES]
+    rows = sorted(_by_line(table).items(), key=lambda kv: -kv[1][1])[:_MAX_SITES]
     return tuple((site, n / per, round(us / per, 1)) for site, (n, us) in rows)
+
+
+_IN_MODULE = " in "
+
+
+def _by_line(table: dict[str, list[float]]) -> dict[str, list[float]]:
+    """One row per line of code: the same line run by several modules (each block of a stack) is one
+    site, its module paths merged (``blocks.*.attn (Attn)``, see :func:`merge_paths`)."""
+    lines: dict[str, tuple[list[float], list[str]]] = {}
+    for site, (calls, us) in table.items():
+        line, _, path = site.partition(_IN_MODULE)
+        row, paths = lines.setdefault(line, ([0.0, 0.0], []))
+        row[0] += calls
+        row[1] += us
+        if path:
+            paths.append(path)
+    return {
+        (f"{line}{_IN_MODULE}{merge_paths(paths)}" if paths else line): row
+        for line, (row, paths) in lines.items()
+    }
+
+
+def merge_paths(paths: Sequence[str]) -> str:
+    """Module paths as one: equal ones as they are, paths that differ only in their indices with ``*``
+    there, else the first two and how many more.
+
+    >>> merge_paths(["blocks.0.attn (Attn)", "blocks.11.attn (Attn)"])
+    'blocks.*.attn (Attn)'
+    >>> merge_paths(["0 (Linear)", "2 (Linear)"])
+    '* (Linear)'
+    >>> merge_paths(["encoder (Encoder)", "decoder (Decoder)", "head (Linear)"])
+    'encoder (Encoder), decoder (Decoder) and 1 more'
+    """
+    unique = list(dict.fromkeys(paths))
+    if len(unique) == 1:
+        return unique[0]
+    split = [p.rsplit(" (", 1) if p.endswith(")") and " (" in p else [p, ""] for p in unique]
+    classes = {cls for _, cls in split}
+    parts = [path.split(".") for path, _ in split]
+    if len(classes) == 1 and len({len(p) for p in parts}) == 1:
+        merged = []
+        for tokens in zip(*parts):
+            if len(set(tokens)) == 1:
+                merged.append(tokens[0])
+            elif all(t.isdigit() for t in tokens):
+                merged.append("*")
+            else:
+                break
+        else:
+            cls = classes.pop()
+            return ".".join(merged) + (f" ({cls}" if cls else "")
+    more = f" and {len(unique) - 2} more" if len(unique) > 2 else ""
+    return ", ".join(unique[:2]) + more
 
 
 def _enclosures(events: list[EventRecord]) -> tuple[set[int], set[int], dict[int, str]]:
@@ -310,7 +490,7 @@ def _enclosures(events: list[EventRecord]) -> tuple[set[int], set[int], dict[int
             while open_spans and open_spans[-1][0] <= start:
                 open_spans.pop()
             if ev.python:
-                frame = None if _LIBRARY_FRAME.search(ev.name) else user_frame((ev.name,))
+                frame = None if is_library_file(ev.name) else user_frame((ev.name,))
                 kind = "closure" if _CLOSURE_FRAME.search(ev.name) else None
                 open_spans.append((ev.end_us or start, frame, kind))
                 continue

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import gzip
+import re
 import shutil
 import statistics
 import tempfile
@@ -31,10 +33,10 @@ import torch
 
 from resource_guard.errors import ConfigurationError
 from resource_guard.estimate.host.quiet import native_stderr_silenced
-from resource_guard.observe.opclasses import EventRecord, frame_matters, op_breakdown
+from resource_guard.observe.opclasses import EventRecord, frame_matters, is_library_file, op_breakdown
 from resource_guard.report.types import ProfileSummary
 
-__all__ = ["ProfileWindow", "ProfileSummary", "EventRecord", "StepProfiler", "summarize_events"]
+__all__ = ["ProfileWindow", "ProfileSummary", "EventRecord", "StepProfiler", "summarize_events", "op_sites"]
 
 _MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
 _TOP_OPS = 10
@@ -135,7 +137,7 @@ def summarize_events(events: Iterable[EventRecord], steps: int) -> ProfileSummar
     top = sorted(ops.items(), key=lambda kv: -kv[1][1])[:_TOP_OPS]
     return ProfileSummary(
         steps=steps,
-        step_wall_us=statistics.fmean(step_walls) if step_walls else None,
+        step_wall_us=statistics.median(step_walls) if step_walls else None,
         device_busy_us=device_us / per,
         kernel_count=len(kernels) / per,
         median_kernel_us=statistics.median(kernels) if kernels else None,
@@ -154,6 +156,8 @@ def summarize_events(events: Iterable[EventRecord], steps: int) -> ProfileSummar
         cast_sites=classes.cast_sites,
         comm_us=classes.comm_us,
         exposed_comm_us=classes.exposed_comm_us,
+        op_class_spread_us=tuple((c, round(us, 1)) for c, us in classes.class_spread_us),
+        stalls=classes.stalls,
     )
 
 
@@ -173,6 +177,87 @@ def _records(prof: Any) -> list[EventRecord]:
     return fast if fast is not None else _function_event_records(prof)
 
 
+# the guard's own code: ops it runs itself (its optimizer stepper, its probes, its logging) are its work,
+# not the user's line that called into it; the demo plays the user
+_GUARD_FILE = re.compile(r"(^|/)resource_guard/(?!demo\.py)")
+_BACKWARD = "<built-in method run_backward"  # autograd's engine: the ops of the loss's backward
+
+
+def op_sites(result: Any) -> dict[tuple[str, int], str]:
+    """Each host op's call site, by ``(name, start_ns)``, from the profiler's event tree (``with_stack``):
+    the user's line that made the call the op runs in (each Python call records its caller's line at
+    the call: ``train.py:42 (train_step)``, not the line its function starts at), with the module path
+    of the innermost ``nn.Module`` whose forward ran it (`` in blocks.3.attn.proj (Linear)``).
+
+    Ops that resource_guard runs itself (the guard's optimizer stepper, its probes: the innermost
+    non-library function is the guard's) are named ``resource_guard: <function> (the guard's own
+    work)``, never the user's line that called into the guard; a backward the guard starts is the
+    user's loss's. Empty where torch has no event tree.
+    """
+    tree = result.experimental_event_tree()
+    ops: list[tuple[tuple[str, int], str | None, int | None, str | None]] = []
+    modules: dict[int, str] = {}  # module pointer -> class name
+    parents: dict[int, int | None] = {}  # module pointer -> the module it ran inside
+    # (node, site, module pointer, the guard's function when the guard's own code runs it)
+    stack: list[tuple[Any, str | None, int | None, str | None]] = [(n, None, None, None) for n in tree]
+    while stack:
+        node, site, module, guard = stack.pop()
+        fields = node.extra_fields
+        caller = getattr(fields, "caller", None)
+        if caller is None:  # an op (or a record function): the context of the calls around it
+            if node.name.startswith("aten::"):
+                ops.append(((node.name, node.start_time_ns), site, module, guard))
+        else:
+            file = caller.file_name
+            if not is_library_file(file):
+                site = f"{file}:{caller.line_number} ({caller.function_name})"
+            callee = getattr(fields, "callsite", None)
+            if callee is not None:  # a Python function: whose code runs from here on
+                found = _GUARD_FILE.search(callee.file_name)
+                if found:
+                    guard = f"{callee.function_name} in {callee.file_name[found.start() :].lstrip('/')}"
+                elif not is_library_file(callee.file_name):
+                    guard = None
+            elif node.name.startswith(_BACKWARD):
+                guard = None
+            info = getattr(fields, "module", None)
+            if info is not None:
+                ptr = int(info.self_ptr)
+                modules.setdefault(ptr, str(info.cls_name))
+                parents.setdefault(ptr, module)
+                module = ptr
+        stack.extend((child, site, module, guard) for child in node.children)
+    paths = _module_paths(modules, parents)
+    out: dict[tuple[str, int], str] = {}
+    for key, site, module, guard in ops:
+        if guard is not None:
+            out[key] = f"resource_guard: {guard} (the guard's own work)"
+            continue
+        where = site or "(no user frame recorded)"
+        if module is not None:
+            where += f" in {paths.get(module) or modules[module]}"
+        out[key] = where
+    return out
+
+
+def _module_paths(modules: dict[int, str], parents: dict[int, int | None]) -> dict[int, str]:
+    """``path (Class)`` of each module pointer seen in the window, from the live root modules (the
+    outermost ones, found among the garbage collector's objects by their address and class): a
+    root that is gone, or an address now held by another object, leaves its modules by class only."""
+    roots = {ptr for ptr, up in parents.items() if up is None}
+    if not roots:
+        return {}
+    out: dict[int, str] = {}
+    for obj in gc.get_objects():
+        if id(obj) in roots and isinstance(obj, torch.nn.Module) and type(obj).__name__ == modules[id(obj)]:
+            for name, sub in obj.named_modules(remove_duplicate=False):
+                if id(sub) in modules and id(sub) not in out:
+                    out[id(sub)] = (
+                        f"{name} ({type(sub).__name__})" if name else f"{type(sub).__name__} (the model)"
+                    )
+    return out
+
+
 def _kineto_records(prof: Any) -> list[EventRecord] | None:
     """Records from ``prof.profiler.kineto_results`` (``None`` where torch has no such results): the
     events torch's own list would hold, each host op's self time its duration less the ops and Python
@@ -183,6 +268,13 @@ def _kineto_records(prof: Any) -> list[EventRecord] | None:
     try:
         result = prof.profiler.kineto_results
         events, origin = result.events(), result.trace_start_ns()
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    try:
+        sites = op_sites(result)
+    except (AttributeError, TypeError, RuntimeError, KeyError):  # a torch without the tree's fields
+        sites = {}
+    try:
         cpu = torch.autograd.DeviceType.CPU
         out: list[EventRecord] = []
         # host spans (thread, start_ns, -end_ns, name, index in out or -1 for a frame), for the self times
@@ -206,8 +298,9 @@ def _kineto_records(prof: Any) -> list[EventRecord] | None:
             shapes = tuple(tuple(x) for x in (ev.shapes() or ()) if isinstance(x, (list, tuple)))
             dtypes = tuple(str(d) for d in (ev.dtypes() or ()))
             began_us = (start - origin) / 1e3
+            site = None if on_device else sites.get((name, start))
             out.append(EventRecord(name, on_device, total_us, shapes, dtypes, began_us, total_us,
-                                   int(thread or 0), False))  # fmt: skip
+                                   int(thread or 0), False, site))  # fmt: skip
     except (AttributeError, TypeError, RuntimeError):
         return None
     return _with_self_times(out, spans)

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from resource_guard.report.gains import bounded_gain, compute_floor_s
+from resource_guard.report.plan_advice import find_row, quote
 from resource_guard.report.types import Finding, ProfileSummary, RunStats
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "rule_threads",
     "rule_recompiles",
     "rule_comm_bound",
+    "rule_stall",
 ]
 
 # Under autocast every op casts its inputs, so a mixed-precision step always spends some time in
@@ -69,10 +71,18 @@ COMM_BOUND_SHARE = 0.05
 
 
 def _step_s(s: RunStats) -> float | None:
-    if s.step_time_s:
-        return s.step_time_s
-    p = s.profile
-    return p.step_wall_us / 1e6 if p is not None and p.step_wall_us else None
+    """The step every share divides by (:meth:`RunStats.step_us`: the untraced step)."""
+    step_us = s.step_us()
+    return None if step_us is None else step_us / 1e6
+
+
+def _spread_text(spread: float | None, steps: int) -> str:
+    """`` (±3 points over 5 profiled steps)``: how far the steps' shares spread around the median."""
+    if spread is None or steps < 2:
+        return ""
+    return (
+        f" (±{spread * 100:.0f} point{'s' if round(spread * 100) != 1 else ''} over {steps} profiled steps)"
+    )
 
 
 def _gain(s: RunStats, share: float, floor_share: float | None = None) -> tuple[float, float | None, str]:
@@ -113,11 +123,13 @@ def _sites(rows: Any) -> list[str]:
 
 
 def rule_casts(s: RunStats) -> Finding | None:
-    """Copies and dtype casts take at least ``CASTS_SHARE`` of the profiled step."""
+    """Copies and dtype casts take at least ``CASTS_SHARE`` of the step: their median over the profiled
+    steps (so that the share holds in at least half of them), stated with its spread."""
     p = s.profile
     share = p.class_share("casts", s.step_time_s) if p is not None else None
     if p is None or share is None or share < CASTS_SHARE:
         return None
+    spread = p.class_spread("casts", s.step_time_s)
     # the other op classes stay: scaled together with the casts into the step, they are the floor
     floor = _other_ops_share(p, "casts", s.step_time_s)
     share = min(share, 1.0 - (floor or 0.0))
@@ -128,11 +140,7 @@ def rule_casts(s: RunStats) -> Finding | None:
         "create tensors in the dtype and on the device they are used (torch.zeros(..., dtype=, device=)).",
     ]
     if s.precision is not None and s.precision.endswith("-mixed"):  # autocast casts the weights each step
-        advice.insert(
-            0,
-            "Keep the weights in the compute dtype (bf16-true / model.to(torch.bfloat16) with an fp32 "
-            "master copy in the optimizer) instead of casting them in every step under autocast.",
-        )
+        advice.insert(0, _weights_in_compute_dtype(s.precision, s.plan_rows))
     else:  # no autocast: the copies are the loop's own casts, or layout copies (.contiguous(), .clone())
         advice.append(
             "Layout copies (.contiguous() after permute/transpose, .clone(), .reshape() of a non-contiguous "
@@ -143,25 +151,46 @@ def rule_casts(s: RunStats) -> Finding | None:
         advice.insert(0, "Where the copies are made: " + "; ".join(sites[:3]) + ".")
     evidence = {
         "casts_share": round(share, 4),
+        "casts_share_spread": None if spread is None else round(spread, 4),
         "casts_us_per_step": dict(p.op_class_us).get("casts"),
         "timeline": p.op_timeline,
         "call_sites": sites,
         "precision": s.precision,
     }
-    title = f"Casts and copies take {share:.0%} of the step{faster}"
+    title = f"Casts and copies take {share:.0%}{_spread_text(spread, p.steps)} of the step{faster}"
     return Finding("casts", "warning", title, evidence, tuple(advice), predicted)
+
+
+def _weights_in_compute_dtype(precision: str, rows: Any) -> str:
+    """The advice on autocast's per-step weight casts, as the plan allows it: keeping the weights in the
+    compute dtype (``bf16-true`` for ``bf16-mixed``) only where the plan evaluated it and it fits."""
+    true = precision.replace("-mixed", "-true")
+    row = find_row(rows, precision=true)
+    casts = f"Under {precision} autocast casts the weights to the compute dtype in every step"
+    if row is not None and row.get("fits"):
+        return (
+            f"{casts}: keep them in it instead ({true}, {quote(row)}; model.to(torch.bfloat16) with an "
+            "fp32 master copy in the optimizer)."
+        )
+    if row is not None:
+        return f"{casts}; keeping them in it ({true}) is ruled out by the plan ({quote(row)})."
+    return (
+        f"{casts}; the plan did not evaluate {true}: plan it (resource_guard.plan(..., precision="
+        f"{true!r})) to see whether it fits before changing the precision."
+    )
 
 
 def rule_host_sync(s: RunStats) -> Finding | None:
     """Host-device syncs leave the GPU idle for at least ``HOST_SYNC_SHARE`` of the step."""
     p = s.profile
-    if p is None or p.op_timeline != "device" or not p.step_wall_us or p.syncs_per_step <= 0:
+    step_us = s.step_us()
+    if p is None or p.op_timeline != "device" or not step_us or p.syncs_per_step <= 0:
         return None
-    share = p.sync_idle_us / p.step_wall_us
+    share = p.sync_idle_us / step_us
     if share < HOST_SYNC_SHARE:
         return None
     # the kernels themselves stay: the device's busy time is the floor
-    share, predicted, faster = _gain(s, share, min(1.0, p.device_busy_us / p.step_wall_us))
+    share, predicted, faster = _gain(s, share, min(1.0, p.device_busy_us / step_us))
     sites = _sites(p.sync_sites)
     advice = [
         "Keep values on the device between steps: accumulate the loss as a tensor (running += "
@@ -259,9 +288,10 @@ def rule_recompiles(s: RunStats) -> Finding | None:
 def rule_comm_bound(s: RunStats) -> Finding | None:
     """Communication not hidden by compute takes at least ``COMM_BOUND_SHARE`` of the step."""
     p = s.profile
-    if p is None or not p.step_wall_us or p.exposed_comm_us <= 0:
+    step_us = s.step_us()
+    if p is None or not step_us or p.exposed_comm_us <= 0:
         return None
-    share = p.exposed_comm_us / p.step_wall_us
+    share = p.exposed_comm_us / step_us
     if share < COMM_BOUND_SHARE:
         return None
     share, predicted, faster = _gain(s, share, _compute_floor_share(s))
@@ -287,4 +317,29 @@ def rule_comm_bound(s: RunStats) -> Finding | None:
     return Finding("comm-bound", "warning", title, evidence, advice, predicted)
 
 
-OP_RULES = (rule_casts, rule_host_sync, rule_threads, rule_recompiles, rule_comm_bound)
+def rule_stall(s: RunStats) -> Finding | None:
+    """Single op calls far slower than the other calls of their kind in the profiled window (a page
+    fault, a descheduled thread, a blocked allocation): an event, not a share of any class. Info: the
+    shares already count each at its kind's usual time."""
+    p = s.profile
+    if p is None or not p.stalls:
+        return None
+    op, us, site = max(p.stalls, key=lambda row: row[1])
+    step_us = s.step_us()
+    of_step = f" ({us / step_us:.0%} of a step)" if step_us else ""
+    where = f" at {site}" if site else ""
+    more = f" and {len(p.stalls) - 1} more" if len(p.stalls) > 1 else ""
+    title = (
+        f"Stall: one {op} call took {us / 1e3:.1f} ms{of_step}{where}{more} in the profiled window; "
+        "counted at its usual time, not as a share of the step"
+    )
+    advice = (
+        "A single slow call among many fast ones of the same shape is the machine, not the op: other "
+        "processes taking the cores, swapping, or a first-touch allocation. Check the node's load "
+        "(the cpu-contention finding) before changing the code.",
+    )
+    evidence = {"stalls": [list(row) for row in p.stalls], "worst_us": us}
+    return Finding("stall", "info", title, evidence, advice, None)
+
+
+OP_RULES = (rule_casts, rule_host_sync, rule_stall, rule_threads, rule_recompiles, rule_comm_bound)

@@ -37,6 +37,8 @@ FINDING_IDS = (
     "logging",
     "casts",
     "host-sync",
+    "stall",
+    "cpu-contention",
     "threads",
     "recompiles",
     "comm-bound",
@@ -66,7 +68,7 @@ class ProfileSummary:
 
     Attributes:
         steps: steps recorded.
-        step_wall_us: mean wall time of a recorded step (``ProfilerStep#`` spans), microseconds.
+        step_wall_us: median wall time of a recorded step (``ProfilerStep#`` spans), microseconds.
         device_busy_us: device time (kernels, copies, memsets) per step; 0 on CPU-only runs.
         kernel_count: device kernels per step.
         median_kernel_us: median kernel duration (``None`` without kernels).
@@ -86,6 +88,10 @@ class ProfileSummary:
             led to syncs and to casts/copies (``with_stack``), most expensive first.
         comm_us / exposed_comm_us: communication kernel time per step, and its part not overlapped by
             compute (the ``communication`` phase).
+        op_class_spread_us: ``(class, us)``: half the range of each class's per-step time over the
+            window's steps (``op_class_us`` holds their medians): the spread a share is stated with.
+        stalls: ``(op, us, call site)`` of single op calls far slower than the other calls of their kind
+            (a stall of the machine, not of the op): counted at their kind's usual time in the classes.
         trace_path: the gzipped Chrome trace, or ``None`` (not written, or too large).
         notes: what went differently (trace deleted, window cut short).
     """
@@ -112,6 +118,8 @@ class ProfileSummary:
     cast_sites: tuple[tuple[str, float, float], ...] = ()
     comm_us: float = 0.0
     exposed_comm_us: float = 0.0
+    op_class_spread_us: tuple[tuple[str, float], ...] = ()
+    stalls: tuple[tuple[str, float, str | None], ...] = ()
 
     def class_share(self, name: str, step_s: float | None = None) -> float | None:
         """The share of the step in op class ``name`` (``None``: not measured): of ``step_s``, the run's
@@ -122,6 +130,13 @@ class ProfileSummary:
         take untraced: the ops' time over the untraced step is their share of the step a user runs.
         """
         return self._share(dict(self.op_class_us).get(name, 0.0), step_s)
+
+    def class_spread(self, name: str, step_s: float | None = None) -> float | None:
+        """The spread of :meth:`class_share` over the window's steps (half the range of the per-step
+        shares, same divisor); ``None`` where not measured."""
+        if not self.op_class_spread_us:
+            return None
+        return self._share(dict(self.op_class_spread_us).get(name, 0.0), step_s)
 
     def ops_share(self) -> float | None:
         """The share of the recorded step that its ops take, all classes together: the rest is Python
@@ -161,6 +176,8 @@ class ProfileSummary:
             "cast_sites": [list(row) for row in self.cast_sites],
             "comm_us": self.comm_us,
             "exposed_comm_us": self.exposed_comm_us,
+            "op_class_spread_us": [list(row) for row in self.op_class_spread_us],
+            "stalls": [list(row) for row in self.stalls],
         }
 
     @classmethod
@@ -169,7 +186,7 @@ class ProfileSummary:
         values["misaligned_matmuls"] = tuple(
             (op, tuple(tuple(s) for s in shapes)) for op, shapes in values.get("misaligned_matmuls", ())
         )
-        for key in ("top_ops", "op_class_us", "sync_sites", "cast_sites"):
+        for key in ("top_ops", "op_class_us", "sync_sites", "cast_sites", "op_class_spread_us", "stalls"):
             values[key] = tuple(tuple(row) for row in values.get(key, ()))
         values["notes"] = tuple(values.get("notes", ()))
         known = set(cls.__dataclass_fields__)
@@ -269,6 +286,11 @@ class RunStats:
     # DataLoader workers, cores, and the measured slowdown at that thread count when oversubscribed
     threads: Mapping[str, Any] | None = None
     compile: Mapping[str, Any] | None = None  # torch.compile during the run (observe/dynamo.py)
+    # the plan's table (report/plan_advice.py: config, precision, micro_batch_size, checkpointing,
+    # predicted_peak_bytes, fits, chosen): a finding recommends only a configuration evaluated there
+    plan_rows: tuple[Mapping[str, Any], ...] = ()
+    # the machine as it is: CPU taken by other processes during the run (observe/threads.py: node_cpu)
+    node_cpu: Mapping[str, Any] | None = None
     # the monitor's close up to this report (seconds), and its parts that took 10 ms or more
     close_s: float | None = None
     close_parts: Mapping[str, float] | None = None
@@ -286,6 +308,8 @@ class RunStats:
         out["shapes"] = None if self.shapes is None else dict(self.shapes)
         out["phases"] = None if self.phases is None else dict(self.phases)
         out["optimizers"] = [dict(o) for o in self.optimizers]
+        out["plan_rows"] = [dict(r) for r in self.plan_rows]
+        out["node_cpu"] = None if self.node_cpu is None else dict(self.node_cpu)
         out["threads"] = None if self.threads is None else dict(self.threads)
         out["compile"] = None if self.compile is None else dict(self.compile)
         out["close_parts"] = None if self.close_parts is None else dict(self.close_parts)
@@ -301,7 +325,16 @@ class RunStats:
         values["notes"] = tuple(values.get("notes", ()))
         values["optimizers"] = tuple(values.get("optimizers", ()))
         values["ranks"] = tuple(values.get("ranks", ()))
+        values["plan_rows"] = tuple(values.get("plan_rows", ()))
         return cls(**values)
+
+    def step_us(self) -> float | None:
+        """What every share of the step divides by: the run's step measured without the profiler
+        (``step_time_s``), else the profiled step's wall time; ``None`` when neither is known."""
+        if self.step_time_s:
+            return self.step_time_s * 1e6
+        p = self.profile
+        return p.step_wall_us if p is not None and p.step_wall_us else None
 
 
 def available_cores() -> int | None:

@@ -1,0 +1,71 @@
+"""Call sites are the user's lines that made the op (issue #37): the line of the call, not the line a
+function starts at, with the module path for ops made inside a module's forward; the guard's own work
+is never the user's."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from resource_guard.observe.profiling import ProfileWindow, StepProfiler
+
+
+def _line(fn: object, marker: str) -> int:
+    """The line of ``fn``'s source that carries ``marker``."""
+    lines, first = inspect.getsourcelines(fn)  # type: ignore[arg-type]
+    return first + next(i for i, text in enumerate(lines) if marker in text)
+
+
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float64)  # CAST
+        return self.proj(h.float())
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(x)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _train(steps: int, prof: StepProfiler, model: Net) -> None:
+    for _ in range(steps):
+        loss = model(torch.randn(8, 32)).pow(2).mean()
+        loss.backward()
+        loss.item()  # SYNC
+        prof.step()
+
+
+def test_casts_and_syncs_name_the_line_of_the_call_and_the_module_path() -> None:
+    model = Net()
+    prof = StepProfiler(ProfileWindow(skip_first=0, wait=0, warmup=1, active=2), None)
+    prof.start()
+    _train(3, prof, model)
+    summary = prof.summarize()
+    assert summary is not None
+    here = __file__.rsplit("/", 1)[-1]
+    cast_line, sync_line = _line(Attn.forward, "# CAST"), _line(_train, "# SYNC")
+    sites = [site for site, _, _ in summary.cast_sites]
+    assert f"{here}:{cast_line} (forward) in blocks.*.attn (Attn)" in sites, sites  # the three blocks
+    assert summary.sync_sites[0][0] == f"{here}:{sync_line} (_train)", summary.sync_sites
+    assert not any(f":{_line(Attn.forward, 'def forward')} " in s for s in sites)  # not the def line
