@@ -256,7 +256,9 @@ class Guard:
         if self._sample_batch is not None:
             self._setup(self._sample_batch)
         else:  # until the loop calls g.iterate: watch it as it is (frontdoors/guard/observed.py)
-            self._watch = LoopWatch(self.model, self.optimizers, self._setup_observed, self._gradients_kept)
+            self._watch = LoopWatch(
+                self.model, self.optimizers, self._setup_observed, self._gradients_kept, self._closure_loss
+            )
             self._watch.install()
         return self
 
@@ -385,6 +387,14 @@ class Guard:
             warnings.warn(f"resource_guard: the shape check is off: {error!r}", ResourceGuardWarning, 4)
             notes = []
         self.plan = self._with_reasons(*notes)
+
+    def _closure_loss(self, loss_bytes: int) -> None:
+        """The unchanged loop's closure returned its loss: the step refitted with the losses it holds."""
+        from resource_guard.frontdoors.guard.observed import closure_loss_plan
+
+        if self.plan is not None:
+            self.plan, line = closure_loss_plan(self.plan, loss_bytes)
+            self._call_monitor("note", line)
 
     def _gradients_kept(self, forward: int) -> None:
         """The unchanged loop's first forward on gradients kept: its later micro-steps' peak, refitted."""

@@ -57,7 +57,9 @@ from resource_guard.step.training import (
 __all__ = [
     "LoopLoss",
     "LoopWatch",
+    "CLOSURE_LOSSES_HELD",
     "batch_dim_of",
+    "closure_loss_plan",
     "forward_batch",
     "gradients_kept_plan",
     "loop_precision",
@@ -209,6 +211,10 @@ class LoopWatch:
             allocated (the loop's own accumulation: micro-steps 2..k; or ``zero_grad(set_to_none=False)``),
             with that forward's number within its step (1-based); it may raise ``DoesNotFitError`` too.
             Looked for in the loop's first three steps.
+        closure_loss: called once, after the first step of a closure optimizer, with the bytes of the
+            storage of the loss the loop's closure returned (a reduced ``mse_loss`` keeps its whole
+            unreduced buffer); it may raise ``DoesNotFitError``, which stops the loop before its next
+            forward.
 
     The guard sets :attr:`monitor` (its ``batch_ready``/``step_end`` are called) and :attr:`clock` (the
     monitor's phase clock) once the run is planned.
@@ -220,9 +226,13 @@ class LoopWatch:
         optimizers: tuple[torch.optim.Optimizer, ...],
         first_forward: Callable[[tuple[Any, ...], dict[str, Any]], None],
         gradients_kept: Callable[[int], None] | None = None,
+        closure_loss: Callable[[int], None] | None = None,
     ) -> None:
         self.model, self.optimizers, self._first_forward = model, optimizers, first_forward
         self._gradients_kept = gradients_kept
+        self._closure_loss = closure_loss
+        self._loss_bytes: int | None = None  # the storage of the first loss a closure returned
+        self._pending: BaseException | None = None  # a verdict to raise at the next forward
         self.grads_kept_at: int | None = None  # the forward of a step that first ran on gradients kept
         self.monitor: Any = None
         self.clock: Any = None
@@ -280,6 +290,9 @@ class LoopWatch:
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.broken or self._inside or module is not self.model:
             return
+        if self._pending is not None:  # the closure's loss refit said no: stop before this forward
+            pending, self._pending = self._pending, None
+            raise pending
         try:
             training = module.training and torch.is_grad_enabled()
             if not training:
@@ -383,17 +396,24 @@ class LoopWatch:
             clock.switch_at("host", self._last_grad)
         self._last_grad = 0.0
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if self.broken or self._inside:
-            return
+            return None
         try:
             if not self._in_step:
                 self._end_backward()
                 if self.clock is not None:
                     self.clock.switch("optimizer")
             self._in_step += 1
+            if self._loss_bytes is None and self._closure_loss is not None:
+                return _closure_seen(args, kwargs, self._saw_loss)
         except Exception as error:
             self._fail(error)
+        return None
+
+    def _saw_loss(self, loss: Any) -> None:
+        if self._loss_bytes is None and isinstance(loss, torch.Tensor):
+            self._loss_bytes = int(loss.untyped_storage().nbytes())
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.broken or self._inside:
@@ -405,6 +425,15 @@ class LoopWatch:
                 return
             self._stepped.clear()
             self._close_step()
+            if self._loss_bytes is not None and self._closure_loss is not None:
+                report, self._closure_loss = self._closure_loss, None
+                self._inside = True
+                try:
+                    report(self._loss_bytes)
+                except DoesNotFitError as verdict:  # raised from the loop's next forward, not its step
+                    self._pending = verdict
+                finally:
+                    self._inside = False
         except Exception as error:
             self._fail(error)
 
@@ -479,6 +508,62 @@ class LoopWatch:
             "gradients_kept_from_forward": self.grads_kept_at,
             "watch_failed": self.broken,
         }
+
+
+def _closure_seen(args: Any, kwargs: Any, saw: Callable[[Any], None]) -> tuple[Any, Any] | None:
+    """``step(closure)``'s arguments with the closure wrapped to show ``saw`` what it returns (a step
+    pre-hook may return new arguments; its ``args`` start with the optimizer itself); None when the step
+    was given no callable closure."""
+    closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+    if not callable(closure):
+        return None
+
+    def seen() -> Any:
+        loss = closure()
+        saw(loss)
+        return loss
+
+    if "closure" in kwargs:
+        return tuple(args), {**kwargs, "closure": seen}
+    return (args[0], seen, *args[2:]), dict(kwargs)
+
+
+#: losses of the loop a closure optimizer's step holds at once: its first closure's (``LBFGS.step``
+#: returns it, so it lives through the step), the one being computed, and the last step's returned one
+#: (``loss = optimizer.step(closure)``)
+CLOSURE_LOSSES_HELD = 3
+
+
+def closure_loss_plan(plan: Any, loss_bytes: int) -> tuple[Any, str]:
+    """``plan`` refitted for the losses a closure optimizer's step holds (:data:`CLOSURE_LOSSES_HELD`),
+    each with the storage the loop's loss really has (``loss_bytes``: a reduced ``mse_loss`` returns a
+    0-d loss on its whole unreduced buffer, which the stand-in loss of the pre-flight does not have).
+
+    Raises:
+        DoesNotFitError: the step with those losses is predicted not to fit.
+    """
+    import dataclasses
+
+    from resource_guard.estimate.closure_step import ClosureState, with_closure_state
+
+    extra = CLOSURE_LOSSES_HELD * loss_bytes
+    held = f"losses a closure optimizer's step holds: {CLOSURE_LOSSES_HELD} × {loss_bytes:,} bytes"
+    estimate = with_closure_state(plan.estimate, ClosureState(extra, 0, held))
+    fit = estimate.for_device(plan.device, headroom=plan.headroom)
+    mib = 2**20
+    line = (
+        f"the loop's closure returns a loss on {loss_bytes:,} bytes of storage; a closure optimizer's "
+        f"step holds up to {CLOSURE_LOSSES_HELD} of them (its first closure's, the one computed, the last "
+        f"step's): predicted peak {fit.allocated_peak_bytes / mib:,.2f} MiB"
+    )
+    made = dataclasses.replace(plan, estimate=estimate, fit=fit, reasons=(*plan.reasons, line))
+    if not fit.fits:
+        raise DoesNotFitError(
+            f"{line}; that does not fit {fit.device.name} ({fit.usable_bytes / mib:,.1f} MiB usable). "
+            "Lower the batch, or return a detached scalar from the closure.\n\n" + made.summary(),
+            made,
+        )
+    return made, line
 
 
 def batch_dim_of(model: nn.Module, batch: Any, declared: int | None) -> tuple[int, int, str | None]:
