@@ -9,6 +9,11 @@ measures, once at the end of the run, how much slower a small parallel workload 
 elementwise ops, sized like the run's typical op) runs at the run's thread count than at a count
 that fits: the ``threads`` finding's measured cost. Nothing here runs when the demand fits.
 
+The machine as it is: :func:`thread_demand` also reads the node's CPU times (:func:`read_cpu_times`,
+psutil: system-wide busy time, steal, this process's and its children's CPU), and
+:meth:`ThreadDemand.to_dict` at the end of the run what other processes took meanwhile
+(:func:`node_cpu_use`): the ``cpu-contention`` finding, and the cores left to the run.
+
 Example:
     >>> d = thread_demand(intra_op=16, processes=1, workers=0, cores=2)
     >>> d.threads, d.fitting_threads, d.oversubscribed
@@ -21,11 +26,117 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["ThreadDemand", "thread_demand", "local_processes", "typical_op_us", "oversubscription_slowdown"]
+__all__ = [
+    "ThreadDemand",
+    "CpuTimes",
+    "thread_demand",
+    "local_processes",
+    "typical_op_us",
+    "oversubscription_slowdown",
+    "read_cpu_times",
+    "node_cpu_use",
+]
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """The node's CPU seconds at one moment (psutil), for the difference over a run.
+
+    Attributes:
+        wall_s: ``time.monotonic()``.
+        busy_s: system-wide busy CPU seconds, all cores (user, nice, system, irq, softirq; not idle,
+            iowait nor steal).
+        steal_s: system-wide steal (a hypervisor running other guests on this VM's cores; 0 elsewhere).
+        own_s: this process's CPU seconds with its children's (DataLoader workers, alive or joined).
+        node_cores: logical cores of the node (``psutil.cpu_count()``).
+        load_1m: the 1-minute load average (``None`` where not available).
+    """
+
+    wall_s: float
+    busy_s: float
+    steal_s: float
+    own_s: float
+    node_cores: int
+    load_1m: float | None = None
+
+
+def read_cpu_times(psutil_module: Any = None) -> CpuTimes | None:
+    """The node's :class:`CpuTimes` now; ``None`` where psutil cannot read them (``psutil_module``: a
+    seam for tests)."""
+    try:
+        import psutil
+
+        ps = psutil if psutil_module is None else psutil_module
+        t = ps.cpu_times()
+        busy = sum(float(getattr(t, k, 0.0) or 0.0) for k in ("user", "nice", "system", "irq", "softirq"))
+        proc = ps.Process()
+        mine = proc.cpu_times()
+        joined = getattr(mine, "children_user", 0.0) + getattr(mine, "children_system", 0.0)
+        own = float(mine.user + mine.system + joined)
+        for child in proc.children(recursive=True):
+            try:
+                c = child.cpu_times()
+                own += float(c.user + c.system)
+            except Exception:  # a worker that exits while it is read
+                continue
+        try:
+            load: float | None = float(ps.getloadavg()[0])
+        except (AttributeError, OSError):
+            load = None
+        steal = float(getattr(t, "steal", 0.0) or 0.0)
+        return CpuTimes(time.monotonic(), busy, steal, own, int(ps.cpu_count() or 1), load)
+    except Exception:  # psutil missing a field or access denied: the node is simply not read
+        return None
+
+
+def node_cpu_use(
+    start: CpuTimes, end: CpuTimes, *, threads: int, cores: int | None, peers: int = 0
+) -> dict[str, Any] | None:
+    """What the rest of the node took between ``start`` and ``end`` (pure), against what the run asked
+    for: ``threads`` (its own busy threads: intra-op × processes + workers) on ``cores`` (those this
+    process may use; the node's when ``None``).
+
+    ``other_cores``: cores' worth of CPU that other processes (and the hypervisor's steal) kept busy on
+    average, scaled to the cores this process may use. When the run's own threads (at most the cores)
+    and that load together ask for more than the cores, the scheduler shares them out: the run gets
+    ``cores / (own + other)`` of what it asked for, and ``contention_share`` (``1 - that``) is the share
+    of its step the other processes cost. ``peers``: the run's other processes on this node (DDP ranks),
+    each taken to use what this one used: theirs is the run's CPU, not other work's. ``None`` for a span
+    too short to read (under 0.2 s).
+
+    >>> a = CpuTimes(0.0, 0.0, 0.0, 0.0, 2)
+    >>> use = node_cpu_use(a, CpuTimes(10.0, 30.0, 0.0, 20.0, 2), threads=2, cores=2)
+    >>> use["other_cores"], round(use["contention_share"], 3)
+    (1.0, 0.333)
+    """
+    wall = end.wall_s - start.wall_s
+    if wall < 0.2:
+        return None
+    node = max(1, end.node_cores)
+    usable = min(node, cores) if cores else node
+    own_s = end.own_s - start.own_s
+    other_s = max(0.0, (end.busy_s - start.busy_s) - own_s * (1 + max(0, peers)))
+    steal_s = max(0.0, end.steal_s - start.steal_s)
+    other = (other_s + steal_s) / wall * usable / node  # the part of it on the cores the run may use
+    own = min(max(1, threads), usable)
+    contention = max(0.0, 1.0 - usable / (own + other)) if own + other > usable else 0.0
+    return {
+        "wall_s": round(wall, 3),
+        "other_cpu_s": round(other_s, 3),
+        "steal_share": round(steal_s / (wall * node), 4),
+        "other_cores": round(other, 3),
+        "own_threads": own,
+        "cores": usable,
+        "node_cores": node,
+        "load_1m": end.load_1m,
+        "contention_share": round(contention, 4),
+    }
+
 
 _PROBE_REPEATS = 3
 _PROBE_ROUNDS = 2  # at least
@@ -48,6 +159,7 @@ class ThreadDemand:
     processes: int
     workers: int
     cores: int | None
+    cpu_start: CpuTimes | None = field(default=None, compare=False, repr=False)
 
     @property
     def threads(self) -> int:
@@ -66,8 +178,10 @@ class ThreadDemand:
     def oversubscribed(self) -> bool:
         return self.cores is not None and self.threads > self.cores
 
-    def to_dict(self) -> dict[str, int | None]:
-        return {
+    def to_dict(self) -> dict[str, Any]:
+        """The figures; with ``cpu_start``, ``"node"``: the node's CPU since then, read now
+        (:func:`node_cpu_use`), which the end of the run calls this for."""
+        out: dict[str, Any] = {
             "intra_op_threads": self.intra_op,
             "processes": self.processes,
             "workers": self.workers,
@@ -75,6 +189,12 @@ class ThreadDemand:
             "threads": self.threads,
             "fitting_threads": self.fitting_threads,
         }
+        end = read_cpu_times() if self.cpu_start is not None else None
+        if self.cpu_start is not None and end is not None:
+            # this process's own busy threads: its intra-op threads (workers are its children: own CPU)
+            threads, peers = self.intra_op * self.processes, self.processes - 1
+            out["node"] = node_cpu_use(self.cpu_start, end, threads=threads, cores=self.cores, peers=peers)
+        return out
 
 
 def local_processes(world_size: int) -> int:
@@ -84,9 +204,13 @@ def local_processes(world_size: int) -> int:
     return int(value) if value.isdigit() and int(value) > 0 else max(1, world_size)
 
 
-def thread_demand(*, intra_op: int, processes: int, workers: int, cores: int | None) -> ThreadDemand:
-    """The run's :class:`ThreadDemand` (pure)."""
-    return ThreadDemand(max(1, intra_op), max(1, processes), max(0, workers), cores)
+def thread_demand(
+    *, intra_op: int, processes: int, workers: int, cores: int | None, read_node: bool = True
+) -> ThreadDemand:
+    """The run's :class:`ThreadDemand`, with the node's CPU times now (``read_node``) for the
+    difference at the end of the run."""
+    start = read_cpu_times() if read_node else None
+    return ThreadDemand(max(1, intra_op), max(1, processes), max(0, workers), cores, start)
 
 
 # The probe's matmul widths: (64, n) @ (n, n) and the elementwise ops on its result. What

@@ -1,16 +1,21 @@
-"""The report's rules on op-level causes: ``casts``, ``host-sync``, ``threads``, ``recompiles`` and
-``comm-bound``. Each is a pure ``RunStats -> Finding | None`` (appended to
-:data:`resource_guard.report.rules.RULES`), states its measured share of the step (an evidence key
-ending in ``share``) and the step time predicted without its cause (``predicted_step_s``, "about N%
-faster"). The thresholds, each with its reason:
+"""The report's rules on op-level causes and the machine: ``casts``, ``host-sync``, ``stall``,
+``cpu-contention``, ``threads``, ``recompiles`` and ``comm-bound``. Each is a pure
+``RunStats -> Finding | None`` (appended to :data:`resource_guard.report.rules.RULES`), states its
+measured share of the step (an evidence key ending in ``share``) and the step time predicted without
+its cause (``predicted_step_s``, "about N% faster"). The thresholds, each with its reason:
 
 - casts: copies and dtype casts (``aten::copy_``, ``aten::to``, ``_to_copy``; on a GPU copy kernels
-  and device-to-device copies), their time in the profiled steps over the run's untraced step time,
-  >= ``CASTS_SHARE``.
+  and device-to-device copies), their median time over the profiled steps over the run's untraced
+  step time (:meth:`RunStats.step_us`, what every share here divides by), >= ``CASTS_SHARE``.
 - host-sync: on a GPU timeline only, device idle time in the gaps opened by host-device syncs >=
   ``HOST_SYNC_SHARE``. On a CPU a ``.item()`` reads memory and waits for nothing: no finding.
+- stall: single op calls far slower than their kind in the profiled window (info; the shares count
+  them at their kind's usual time).
+- cpu-contention: other processes' CPU (and steal) during the run, with the run's own threads, ask for
+  more than the cores: the share of the step lost, >= ``CPU_CONTENTION_SHARE``.
 - threads: (intra-op threads + DataLoader workers) × processes above the cores, and a measured slowdown
-  at that thread count that costs >= ``THREADS_SHARE`` of the step (an ``info`` when not measured).
+  at that thread count that costs >= ``THREADS_SHARE`` of the step (an ``info`` when not measured); the
+  advised count leaves the cores other processes kept busy.
 - recompiles: torch.compile recompilations whose compile time is >= ``RECOMPILE_SHARE`` of the run's
   wall time; graph breaks or cheaper recompilations are ``info``.
 - comm-bound: exposed communication (not overlapped by compute kernels) >= ``COMM_BOUND_SHARE``.
@@ -31,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from resource_guard.report.gains import bounded_gain, compute_floor_s
@@ -43,6 +49,8 @@ __all__ = [
     "THREADS_SHARE",
     "RECOMPILE_SHARE",
     "COMM_BOUND_SHARE",
+    "CPU_CONTENTION_SHARE",
+    "CPU_CONTENTION_MIN_CORES",
     "OP_RULES",
     "rule_casts",
     "rule_host_sync",
@@ -50,6 +58,7 @@ __all__ = [
     "rule_recompiles",
     "rule_comm_bound",
     "rule_stall",
+    "rule_cpu_contention",
 ]
 
 # Under autocast every op casts its inputs, so a mixed-precision step always spends some time in
@@ -62,6 +71,12 @@ HOST_SYNC_SHARE = 0.05
 # Oversubscribed threads cost the context switches and spin-waits of every parallel region; 5% is the
 # smallest slowdown the end-of-run probe resolves reliably on a loaded machine.
 THREADS_SHARE = 0.05
+# Other processes on the node: from a tenth of the step the run lost to them (the cores it asked for
+# shared with their load), the machine, not the code, is what to change; under that, a 2-core box's
+# background (editors, a shell, the sampler's own thread) would be named on every run.
+CPU_CONTENTION_SHARE = 0.10
+# ... and only when they kept at least a quarter of a core busy on average (a short burst is not load).
+CPU_CONTENTION_MIN_CORES = 0.25
 # Compilation is expected once; recompiles that cost 5% of the run's wall time are a pattern (dynamic
 # shapes, changing Python values), not the one-time warm-up.
 RECOMPILE_SHARE = 0.05
@@ -217,6 +232,10 @@ def rule_threads(s: RunStats) -> Finding | None:
     if not t or t.get("cores") is None or t.get("threads", 0) <= t["cores"]:
         return None
     fit, workers, procs = t.get("fitting_threads"), t.get("workers", 0), t.get("processes", 1)
+    node = t.get("node") or {}
+    other = float(node.get("other_cores") or 0.0)  # what the rest of the node ran meanwhile
+    if other >= CPU_CONTENTION_MIN_CORES and isinstance(fit, int):
+        fit = max(1, fit - math.ceil(other / max(1, procs) - 0.25))
     slowdown = t.get("slowdown")
     share = None
     if slowdown and slowdown > 1.0:
@@ -235,8 +254,11 @@ def rule_threads(s: RunStats) -> Finding | None:
         "threads_share": None if share is None else round(share, 4),
         "measured_slowdown": None if slowdown is None else round(slowdown, 2),
         **{k: t.get(k) for k in ("intra_op_threads", "processes", "workers", "cores", "threads")},
+        "other_cores": round(other, 3) if node else None,
     }
     demand = f"{t['threads']} threads on {t['cores']} cores"
+    if other >= CPU_CONTENTION_MIN_CORES:
+        demand += f" (and {other:.1f} cores' worth of other processes)"
     if share is None or share < THREADS_SHARE:
         title = f"Threads: {demand} (oversubscribed; no measured cost)"
         return Finding("threads", "info", title, evidence, tuple(advice), None)
@@ -342,4 +364,41 @@ def rule_stall(s: RunStats) -> Finding | None:
     return Finding("stall", "info", title, evidence, advice, None)
 
 
-OP_RULES = (rule_casts, rule_host_sync, rule_stall, rule_threads, rule_recompiles, rule_comm_bound)
+def rule_cpu_contention(s: RunStats) -> Finding | None:
+    """Other processes on the node took CPU the run asked for (psutil's system-wide CPU less this
+    process's, with steal; read over the run): the share of the step the run lost to them is
+    ``1 - cores / (own threads + their load)`` when the two together ask for more than the cores."""
+    node = (s.threads or {}).get("node")
+    if not node:
+        return None
+    share, other = float(node.get("contention_share") or 0.0), float(node.get("other_cores") or 0.0)
+    if share < CPU_CONTENTION_SHARE or other < CPU_CONTENTION_MIN_CORES:
+        return None
+    share, predicted, faster = _gain(s, share)
+    cores, own = node.get("cores"), node.get("own_threads")
+    fit = max(1, int((cores or 1) - math.ceil(other - 0.25)))
+    load = f", load average {node['load_1m']:.1f}" if node.get("load_1m") is not None else ""
+    steal = f", {node['steal_share']:.0%} stolen by the hypervisor" if node.get("steal_share") else ""
+    title = (
+        f"CPU contention: other processes kept {other:.1f} of {cores} cores busy during the run"
+        f"{load}{steal}; the run's {own} thread(s) lost about {share:.0%} of the step{faster}"
+    )
+    advice = (
+        "Run on an idle node, or reserve the cores for the run (taskset/cgroups, a scheduler's exclusive "
+        "allocation): the other processes, not the training code, took this time.",
+        f"Sharing the node: torch.set_num_threads({fit}) keeps the run's threads within the cores the other "
+        "load leaves, so that they do not wait for each other at every parallel op.",
+    )
+    evidence = {"cpu_contention_share": round(share, 4), **dict(node)}
+    return Finding("cpu-contention", "warning", title, evidence, advice, predicted)
+
+
+OP_RULES = (
+    rule_casts,
+    rule_host_sync,
+    rule_stall,
+    rule_cpu_contention,
+    rule_threads,
+    rule_recompiles,
+    rule_comm_bound,
+)
