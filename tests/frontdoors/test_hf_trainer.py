@@ -175,7 +175,10 @@ def test_transformers_seams_are_where_we_expect():
     """Fails loudly when a transformers/accelerate release moves what the door relies on."""
     assert set(hf_step.TRANSFORMERS_SEAMS) == {
         "trainer_optimizer", "trainer_loss", "is_causal_lm", "decay_parameter_names", "checkpointing_fields",
+        "trainer_collator",
     }  # fmt: skip
+    # the collator Trainer.__init__ chooses for data_collator=None (hf_step.trainer_collator mirrors it)
+    assert "DataCollatorWithPadding(processing_class)" in inspect.getsource(Trainer.__init__)
     field, kwargs_field = hf_step.checkpointing_fields(TrainingArguments("out", use_cpu=True, report_to=[]))
     assert {field, kwargs_field} <= {f.name for f in dataclasses.fields(TrainingArguments)}
     assert isinstance(inspect.getattr_static(Trainer, "get_optimizer_cls_and_kwargs"), staticmethod)

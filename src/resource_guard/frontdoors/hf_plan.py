@@ -35,13 +35,22 @@ from torch import nn
 from resource_guard.devices import parse_memory_limit
 from resource_guard.errors import ConfigurationError
 from resource_guard.frontdoors import hf_step
+from resource_guard.frontdoors.vocabulary import check_shared
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
 
     from resource_guard.planning.planner import Plan
 
-__all__ = ["auto_detected", "plan_training_args", "planned_by", "render", "say", "settings_text"]
+__all__ = [
+    "EXPRESSIBLE",
+    "auto_detected",
+    "plan_training_args",
+    "planned_by",
+    "render",
+    "say",
+    "settings_text",
+]
 
 _log = logging.getLogger("resource_guard")
 _MiB = 2**20
@@ -56,7 +65,7 @@ def say(text: str) -> None:
         print(text, file=sys.stderr)
 
 
-_EXPRESSIBLE = ("32-true", "bf16-mixed", "16-mixed")  # the precisions TrainingArguments can express
+EXPRESSIBLE = ("32-true", "bf16-mixed", "16-mixed")  # the precisions TrainingArguments can express
 # the arguments plan_training_args returned, by id (TrainingArguments are not hashable), with the plan:
 # ResourceGuardCallback then confirms the plan in one line instead of printing it again
 _PLANNED: dict[int, tuple[weakref.ref[Any], Plan]] = {}
@@ -105,6 +114,7 @@ def plan_training_args(
     train_dataset: Any,
     data_collator: Callable[[list[Any]], Any] | None = ...,
     *,
+    processing_class: Any = ...,
     device: str | None = ...,
     memory_limit: int | str | None = ...,
     max_seq_len: int | None = ...,
@@ -126,6 +136,7 @@ def plan_training_args(
     train_dataset: Any,
     data_collator: Callable[[list[Any]], Any] | None = ...,
     *,
+    processing_class: Any = ...,
     device: str | None = ...,
     memory_limit: int | str | None = ...,
     max_seq_len: int | None = ...,
@@ -146,6 +157,7 @@ def plan_training_args(
     train_dataset: Any,
     data_collator: Callable[[list[Any]], Any] | None = None,
     *,
+    processing_class: Any = None,
     device: str | None = None,
     memory_limit: int | str | None = None,
     max_seq_len: int | None = None,
@@ -166,7 +178,12 @@ def plan_training_args(
         args: the user's ``TrainingArguments``; not modified.
         train_dataset: the training dataset (map-style or iterable): its first rows, through the
             collator, are the sample batch.
-        data_collator: the collator the Trainer will use; default transformers' ``default_data_collator``.
+        data_collator: the collator the Trainer will use; default the one the Trainer chooses for
+            ``data_collator=None``: ``DataCollatorWithPadding(processing_class)`` with a tokenizer (or
+            feature extractor), else transformers' ``default_data_collator``.
+        processing_class: the tokenizer (or processor) the Trainer gets as ``processing_class=``. With a
+            padding collator the plan is made for the batch around the dataset's longest example (the
+            first batch of ``group_by_length``'s sampler).
         device: the device to plan for: default the one ``args`` trains on; a catalog name (for example
             ``"a100-40gb"``) plans as if training there.
         memory_limit: plan as if the device had only this much memory (bytes, or a string such as ``"6GiB"``).
@@ -207,11 +224,7 @@ def plan_training_args(
     if memory_limit is not None:
         parse_memory_limit(memory_limit, call)
     check_worst_case_args(call, max_seq_len, True)
-    if precision not in (None, "auto", *_EXPRESSIBLE):
-        raise ConfigurationError(
-            f"`{call}(precision={precision!r})` must be None (keep the TrainingArguments' precision), "
-            f"'auto' or one of {', '.join(_EXPRESSIBLE)} (what TrainingArguments can express)."
-        )
+    precision = check_shared(call, precision=precision, precisions=EXPRESSIBLE)  # the doors' words
     started = time.perf_counter()
     world = max(1, int(getattr(args, "world_size", 1) or 1))
     target = target_batch_size or args.per_device_train_batch_size * args.gradient_accumulation_steps * world
@@ -219,10 +232,8 @@ def plan_training_args(
         raise ConfigurationError(
             f"`{call}(target_batch_size={target})` is not divisible by the world size {world}."
         )
-    if data_collator is None:
-        from transformers import default_data_collator
-
-        data_collator = default_data_collator
+    if data_collator is None:  # what the Trainer chooses (Trainer.__init__)
+        data_collator = hf_step.trainer_collator(processing_class)
     fixed_precision = hf_step.precision_of(args)
     if precision not in (None, "auto") and fixed_precision not in (None, precision):
         raise ConfigurationError(
@@ -238,17 +249,22 @@ def plan_training_args(
     optimizer = hf_step.trainer_optimizer(model, args)
     step = hf_step.trainer_step(loss_of, getattr(args, "max_grad_norm", 0.0))
     on = next((p.device for p in model.parameters()), None)
+    batch_device = on if on is not None and on.type != "meta" else "cpu"
     batch = hf_step.sample_batch(
         train_dataset,
         data_collator,
         args.per_device_train_batch_size,
-        on if on is not None and on.type != "meta" else "cpu",
+        batch_device,
         model=model if getattr(args, "remove_unused_columns", True) else None,
     )
     notes: list[str] = []
     worst = hf_step.worst_case_of(
         batch, max_seq_len=max_seq_len, worst_case_batch=worst_case_batch, collate=data_collator,
         dataset=train_dataset,
+    ) or hf_step.longest_batch(
+        batch, train_dataset, data_collator, args.per_device_train_batch_size, batch_device,
+        model=model if getattr(args, "remove_unused_columns", True) else None,
+        input_name=hf_step.input_name_of(processing_class),
     )  # fmt: skip
     if worst is not None:
         from resource_guard.planning.worst_case import describe_signature, signature_of
@@ -272,7 +288,7 @@ def plan_training_args(
         memory_limit=memory_limit,
         allow_rough=True,
     )
-    if made.precision not in _EXPRESSIBLE:  # TrainingArguments cannot say it
+    if made.precision not in EXPRESSIBLE:  # TrainingArguments cannot say it
         raise ConfigurationError(
             f"the plan chose {made.precision}, which TrainingArguments cannot express; set `bf16=True` or "
             "`fp16=True` in the TrainingArguments to fix the precision."

@@ -43,8 +43,10 @@ __all__ = [
     "TRANSFORMERS_SEAMS",
     "checkpointing_fields",
     "declared_length",
+    "longest_batch",
     "precision_of",
     "sample_batch",
+    "trainer_collator",
     "trainer_loss",
     "trainer_optimizer",
     "trainer_step",
@@ -52,6 +54,10 @@ __all__ = [
 ]
 
 TRANSFORMERS_SEAMS = {
+    "trainer_collator": (
+        "transformers.Trainer.__init__: DataCollatorWithPadding(processing_class) for a "
+        "PreTrainedTokenizerBase or SequenceFeatureExtractor, else default_data_collator"
+    ),
     "trainer_optimizer": "transformers.Trainer.get_optimizer_cls_and_kwargs(args, model) (static)",
     "trainer_loss": "transformers.trainer_pt_utils.LabelSmoother(epsilon)(outputs, labels, shift_labels=)",
     "is_causal_lm": "transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
@@ -210,12 +216,23 @@ def trainer_optimizer(model: nn.Module, args: Any) -> torch.optim.Optimizer:
 
 
 def _forward_names(model: nn.Module) -> set[str] | None:
-    """The arguments of the model's ``forward`` (the base model's under PEFT), with the label names the
-    Trainer keeps; ``None`` when ``forward`` takes ``**kwargs``."""
+    """The columns the Trainer keeps (``Trainer._set_signature_columns_if_needed``): the named arguments of
+    the model's ``forward`` (the base model's under PEFT) and the label names; a ``**kwargs`` takes no
+    column of its own, as there."""
     params = inspect.signature(base_model_of(model).forward).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return None
     return {*params, "label", "label_ids", "labels"}
+
+
+def trainer_collator(processing_class: Any = None) -> Callable[[list[Any]], Any]:
+    """The collator a ``Trainer(data_collator=None, processing_class=...)`` uses: a
+    ``DataCollatorWithPadding`` of the tokenizer (or feature extractor), which pads each batch to its
+    longest row; else ``default_data_collator``."""
+    from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase, default_data_collator
+    from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
+
+    if isinstance(processing_class, (PreTrainedTokenizerBase, SequenceFeatureExtractor)):
+        return DataCollatorWithPadding(processing_class)  # type: ignore[arg-type,no-any-return]
+    return default_data_collator  # type: ignore[no-any-return]
 
 
 def sample_batch(
@@ -237,14 +254,115 @@ def sample_batch(
         items = list(itertools.islice(iter(dataset), rows))
     if not items:
         raise ConfigurationError("the training dataset is empty: there is nothing to plan on.")
+    return _collated(items, collate, device, model)
+
+
+def _collated(items: list[Any], collate: Callable[[list[Any]], Any], device: Any, model: Any) -> Any:
     keep = _forward_names(model) if model is not None else None
     if keep is not None and all(isinstance(item, Mapping) for item in items):
         items = [{k: v for k, v in item.items() if k in keep} for item in items]
-    batch = collate(items)
+    try:
+        batch = collate(items)
+    except ValueError as error:
+        if not _ragged(items):
+            raise
+        name = getattr(getattr(collate, "data_collator", collate), "__name__", type(collate).__name__)
+        raise ConfigurationError(
+            f"the rows have different lengths and the collator ({name}) does not pad them ({error}). "
+            "The Trainer pads each batch with `DataCollatorWithPadding` when it is given the tokenizer: "
+            "pass the `processing_class=` (or `data_collator=`) the Trainer gets."
+        ) from None
     if isinstance(batch, Mapping) and not isinstance(batch, dict):
         batch = dict(batch)  # BatchEncoding: a plain dict, so the estimate's fast paths apply
     target = torch.device(device)
     return map_tensors(lambda t: t.to(target), batch)
+
+
+def input_name_of(processing_class: Any) -> str | None:
+    """The model input a tokenizer or processor names first (``group_by_length`` measures it)."""
+    names = getattr(processing_class, "model_input_names", None)
+    return names[0] if isinstance(names, (list, tuple)) and names and isinstance(names[0], str) else None
+
+
+def _ragged(items: list[Any]) -> bool:
+    """Rows (mappings) whose sequences differ in length."""
+    lengths = {
+        (key, len(value))
+        for item in items
+        if isinstance(item, Mapping)
+        for key, value in item.items()
+        if isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor) and value.dim() >= 1)
+    }
+    return len(lengths) > len({key for key, _ in lengths})
+
+
+_SCAN_ROWS = 200_000  # the longest example is looked for in datasets of at most this many rows
+
+
+def _sequence_key(row: Any, preferred: str | None) -> str | None:
+    if not isinstance(row, Mapping):
+        return None
+    names = [preferred] if preferred else []
+    names += ["input_ids", "input_values", "input_features", *row.keys()]
+    for name in names:
+        value = row.get(name)
+        if isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor) and value.dim() >= 1):
+            return name
+    return None
+
+
+def _lengths(dataset: Any, key: str) -> list[int]:
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, (list, tuple)) and key in columns:  # a datasets.Dataset: one column read
+        return [len(v) for v in dataset[key]]
+    return [len(dataset[i][key]) for i in range(len(dataset))]
+
+
+def longest_batch(
+    batch: Any,
+    dataset: Any,
+    collate: Callable[[list[Any]], Any],
+    rows: int,
+    device: Any,
+    *,
+    model: nn.Module | None = None,
+    input_name: str | None = None,
+) -> tuple[Any, str] | None:
+    """The batch a padding collator makes around the dataset's longest example, and where that was
+    learnt; ``None`` when the dataset cannot be scanned or no example is longer than ``batch``.
+
+    A collator that pads each batch to its longest row (``DataCollatorWithPadding``, the Trainer's
+    choice for ``data_collator=None`` with a tokenizer) makes the run's largest batch where the longest
+    example meets ``rows - 1`` others: the first batch of ``group_by_length``'s sampler, any batch that
+    draws it otherwise. Built here as that example with the first ``rows - 1`` others, through the same
+    collator (its padding, its ``pad_to_multiple_of``).
+    """
+    from resource_guard.planning.worst_case import sequence_positions
+    from resource_guard.step.training import iter_tensors
+
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        return None
+    size = len(dataset)
+    positions = sequence_positions(batch)
+    if not 0 < size <= _SCAN_ROWS or not positions:
+        return None
+    key = _sequence_key(dataset[0], input_name)
+    if key is None:
+        return None
+    try:
+        lengths = _lengths(dataset, key)
+    except Exception:  # rows of another form: no scan, the planned batch stays the first one
+        return None
+    longest = max(range(size), key=lengths.__getitem__)
+    index, dim = min(positions)
+    if lengths[longest] <= iter_tensors(batch)[index].shape[dim]:
+        return None
+    others = [i for i in range(min(rows, size)) if i != longest][: max(0, rows - 1)]
+    made = _collated([dataset[i] for i in (longest, *others)], collate, device, model)
+    return (
+        made,
+        f"the dataset's longest example, row {longest}: {lengths[longest]} {key}, padded by the collator",
+    )
 
 
 def declared_length(collate: Any) -> tuple[int, str] | None:

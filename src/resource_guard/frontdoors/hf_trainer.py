@@ -111,6 +111,13 @@ class ResourceGuardCallback(TrainerCallback):
         log_dir: where the report goes; default ``<args.output_dir>/resource_guard``.
         loss_fn / compute_loss_func: as for :func:`~resource_guard.frontdoors.hf_plan.plan_training_args`.
         verbose: print the pre-flight (process zero).
+        precision: as at the other doors: ``None`` (the default) keeps the TrainingArguments' precision.
+            The callback changes no setting of a built Trainer, so ``"auto"``, or a precision the
+            arguments do not set, is refused before training (plan it with
+            :func:`~resource_guard.frontdoors.hf_plan.plan_training_args`); one they set is accepted.
+        target_batch_size: the effective batch, ``per_device_train_batch_size ×
+            gradient_accumulation_steps × world size``: accepted when it is the Trainer's, else refused
+            before training (plan it with ``plan_training_args(..., target_batch_size=...)``).
 
     Attributes:
         plan: the :class:`~resource_guard.Plan` of the configured step (``None`` before training).
@@ -140,26 +147,31 @@ class ResourceGuardCallback(TrainerCallback):
         loss_fn: Callable[[nn.Module, Any], Any] | None = None,
         compute_loss_func: Callable[..., Any] | None = None,
         verbose: bool = True,
+        precision: str | None = None,
+        target_batch_size: int | None = None,
     ) -> None:
+        from resource_guard.frontdoors.hf_plan import EXPRESSIBLE
         from resource_guard.frontdoors.shape_guard import check_worst_case_args
+        from resource_guard.frontdoors.vocabulary import check_shared, refused
 
         def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
-            return ConfigurationError(f"`ResourceGuardCallback({name}={value!r})` must be {allowed}.")
+            return refused("ResourceGuardCallback", name, value, allowed)
 
+        # the settings every door shares, in the same words (frontdoors/vocabulary.py)
+        self.precision = check_shared(
+            "ResourceGuardCallback", memory_limit=memory_limit, precision=precision,
+            target_batch_size=target_batch_size, max_seq_len=max_seq_len, log_dir=log_dir,
+            profile=profile, monitor=monitor, precisions=EXPRESSIBLE,
+        )  # fmt: skip
+        self.target_batch_size = target_batch_size
         if device is not None and not (isinstance(device, str) and device.strip()):
             raise bad("device", device, "a device name ('cpu', 'cuda:0', 'a100-40gb', ...) or None")
-        if memory_limit is not None:
-            parse_memory_limit(memory_limit, "ResourceGuardCallback")
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
             raise bad("headroom", headroom, "in [0, 0.9)")
         check_worst_case_args("ResourceGuardCallback", max_seq_len, check_shapes)
-        for name, value in (("check_eval", check_eval), ("monitor", monitor), ("verbose", verbose)):
+        for name, value in (("check_eval", check_eval), ("verbose", verbose)):
             if not isinstance(value, bool):
                 raise bad(name, value, "True or False")
-        if not isinstance(profile, (bool, ProfileWindow)):
-            raise bad("profile", profile, "True, False or a ProfileWindow")
-        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
-            raise bad("log_dir", log_dir, "a directory path or None")
         for name, fn in (("loss_fn", loss_fn), ("compute_loss_func", compute_loss_func)):
             if fn is not None and not callable(fn):
                 raise bad(name, fn, "a callable or None")
@@ -187,6 +199,7 @@ class ResourceGuardCallback(TrainerCallback):
         self._writer: Any = None
         self._eval_pending = True
         self._inside = False  # our own traces call the model: the hook ignores them
+        self._input_name: str | None = None  # the processing class's first model input (its lengths)
 
     @property
     def eval_checks(self) -> list[Any]:
@@ -194,8 +207,10 @@ class ResourceGuardCallback(TrainerCallback):
 
     # -- the Trainer's events --------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        """Watch the model from the start, so that an evaluation before any training is pre-flighted."""
+        """Check the shared settings against the Trainer's arguments, and watch the model from the start,
+        so that an evaluation before any training is pre-flighted."""
         self._args = args
+        self._check_against(args)
         if isinstance(model, nn.Module):
             self._watch(model)
 
@@ -211,6 +226,8 @@ class ResourceGuardCallback(TrainerCallback):
     ) -> None:
         """The pre-flight of the configured step on every rank; ``DoesNotFitError`` before step 0."""
         self._args = args
+        self._check_against(args)  # also here: a callback added after the Trainer was built
+        self._input_name = hf_step.input_name_of(kwargs.get("processing_class"))
         if self._monitor is not None:  # the previous run ended without on_train_end
             self._stop_run(self._ended_early("the Trainer started training again before this run ended"))
         self.plan, self.report, self.shape_stats, self._eval_pending = None, None, None, True
@@ -274,6 +291,44 @@ class ResourceGuardCallback(TrainerCallback):
         """Write and print the report; the model stays watched for later evaluations."""
         self._stop_run()
 
+    def _check_against(self, args: Any) -> None:
+        """Refuse, before any step, a shared setting the built Trainer does not have: this callback
+        changes none (``plan_training_args`` plans them before the Trainer is built)."""
+        call = "ResourceGuardCallback"
+        if self.precision is not None:
+            own = hf_step.precision_of(args) or "32-true"
+            kept = (
+                "bf16=True" if own == "bf16-mixed" else "fp16=True" if own == "16-mixed" else "no bf16/fp16"
+            )
+            if self.precision == "auto":
+                raise ConfigurationError(
+                    f"`{call}(precision='auto')`: the Trainer's precision is its TrainingArguments' ({own}: "
+                    f"{kept}), fixed when the Trainer is built; this callback changes no setting. Let the "
+                    "planner choose it before: `args = plan_training_args(model, args, train_dataset, "
+                    "precision='auto')`, or leave `precision` out to keep the arguments' precision."
+                )
+            if self.precision != own:
+                raise ConfigurationError(
+                    f"`{call}(precision={self.precision!r})` is not the TrainingArguments' precision ({own}: "
+                    f"{kept}), which the Trainer runs; set it in the TrainingArguments (or plan them with "
+                    f"`plan_training_args(..., precision={self.precision!r})`), or leave `precision` out."
+                )
+        if self.target_batch_size is not None:
+            rows, acc = int(args.per_device_train_batch_size), max(1, int(args.gradient_accumulation_steps))
+            world = max(1, int(getattr(args, "world_size", 1) or 1))
+            if self.target_batch_size != rows * acc * world:
+                raise ConfigurationError(
+                    f"`{call}(target_batch_size={self.target_batch_size})` is not the Trainer's effective "
+                    f"batch, per_device_train_batch_size {rows} × gradient_accumulation_steps {acc} × world "
+                    f"size {world} = {rows * acc * world}; this callback changes no setting. Plan the "
+                    "arguments before building the Trainer: `args = plan_training_args(model, args, "
+                    f"train_dataset, target_batch_size={self.target_batch_size})`."
+                )
+        if self.log_dir is not None and self.monitor and int(getattr(args, "process_index", 0) or 0) == 0:
+            from resource_guard.frontdoors.guard.args import check_log_dir
+
+            check_log_dir(self.log_dir, call)  # now, not after the pre-flight
+
     # -- the pre-flight --------------------------------------------------------------------------
     def _preflight(self, args: Any, model: nn.Module, optimizer: Any, loader: Any) -> list[str]:
         from resource_guard.frontdoors.shape_guard import start_shape_guard
@@ -294,6 +349,8 @@ class ResourceGuardCallback(TrainerCallback):
             worst = hf_step.worst_case_of(
                 batch, max_seq_len=self.max_seq_len, worst_case_batch=self.worst_case_batch,
                 collate=collate, dataset=loader.dataset,
+            ) or hf_step.longest_batch(
+                batch, loader.dataset, collate, rows, args.device, input_name=self._input_name
             )  # fmt: skip
         if worst is not None:
             batch = worst[0]

@@ -41,14 +41,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from resource_guard.devices import parse_memory_limit
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.frontdoors import lightning_apply as ap
 from resource_guard.frontdoors import lightning_shapes
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.frontdoors.lightning_internals import skip_inherited_step_hooks
 from resource_guard.observe.profiling import ProfileWindow
-from resource_guard.step.precision import PRECISIONS, parse_precision
+from resource_guard.step.precision import PRECISIONS
 
 if TYPE_CHECKING:
     from resource_guard.planning.planner import Plan
@@ -125,48 +124,32 @@ class ResourceGuard(Callback):
         worst_case_batch: Any = None,
         check_shapes: bool = True,
     ) -> None:
+        from resource_guard.frontdoors.shape_guard import check_worst_case_args
+        from resource_guard.frontdoors.vocabulary import check_shared, refused
+
         def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
-            return ConfigurationError(f"`ResourceGuard({name}={value!r})` must be {allowed}.")
+            return refused("ResourceGuard", name, value, allowed)
 
         def positive_int(value: Any) -> bool:
             return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
-        if target_batch_size is not None and not positive_int(target_batch_size):
-            raise bad("target_batch_size", target_batch_size, "a positive int or None")
+        # the settings every door shares, in the same words (frontdoors/vocabulary.py)
+        precision = check_shared(
+            "ResourceGuard", memory_limit=memory_limit, precision=precision,
+            target_batch_size=target_batch_size, max_seq_len=max_seq_len, log_dir=log_dir,
+            profile=profile, monitor=monitor,
+        )  # fmt: skip
         if device is not None and not (isinstance(device, str) and device.strip()):
             raise bad("device", device, "a device name ('cpu', 'cuda:0', 'a100-40gb', ...) or None")
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
             raise bad("headroom", headroom, "in [0, 0.9)")
-        if precision not in (None, "auto"):
-            if not isinstance(precision, (str, int)):
-                raise bad("precision", precision, "None, 'auto' or a Lightning precision name")
-            try:
-                precision = parse_precision(precision).name
-            except ConfigurationError:
-                raise bad(
-                    "precision",
-                    precision,
-                    "None, 'auto' or one of 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true",
-                ) from None
         if checkpointing not in (True, False, "auto"):
             raise bad("checkpointing", checkpointing, "True, False or 'auto'")
         if accumulation != "auto" and not positive_int(accumulation):
             raise bad("accumulation", accumulation, "'auto' or a positive int")
-        if memory_limit is not None:
-            parse_memory_limit(memory_limit, "ResourceGuard")
-        for name, value in (
-            ("fail_fast", fail_fast),
-            ("monitor", monitor),
-            ("memory_history", memory_history),
-        ):
+        for name, value in (("fail_fast", fail_fast), ("memory_history", memory_history)):
             if not isinstance(value, bool):
                 raise bad(name, value, "True or False")
-        if not isinstance(profile, (bool, ProfileWindow)):
-            raise bad("profile", profile, "True, False or a ProfileWindow")
-        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
-            raise bad("log_dir", log_dir, "a directory path or None")
-        from resource_guard.frontdoors.shape_guard import check_worst_case_args
-
         check_worst_case_args("ResourceGuard", max_seq_len, check_shapes)
         self.max_seq_len, self.worst_case_batch = max_seq_len, worst_case_batch
         self.check_shapes = check_shapes

@@ -1,0 +1,96 @@
+"""The settings every door shares, checked with one meaning and in the same words.
+
+``guard(...)``, the Lightning callback ``ResourceGuard(...)`` and the Hugging Face
+``ResourceGuardCallback(...)`` (and ``plan_training_args``) take the same names for the same things:
+
+- ``memory_limit``: plan as if each device had only this much memory (bytes, or ``"6GiB"``);
+- ``precision``: ``None`` keeps the run's own precision (numerics change only by consent), ``"auto"``
+  lets the planner choose, a precision name fixes it;
+- ``target_batch_size``: the effective (global) batch, ``micro × accumulation × world size``;
+- ``max_seq_len``: the run's longest sequence, the plan is made for it;
+- ``log_dir``: where the report goes;
+- ``profile``: ``True`` (the default window), ``False`` or a
+  :class:`~resource_guard.observe.profiling.ProfileWindow`;
+- ``monitor``: run-time monitoring and the report, ``True`` or ``False``.
+
+:func:`check_shared` refuses a bad value of any of them with ``ConfigurationError`` quoting the call
+(``"`ResourceGuardCallback(precision='fp8')` must be None (keep the run's precision), 'auto' or one of
+..."``): the wording is the same at every door; only the list of precisions a door can apply differs
+(the Trainer's arguments express three).
+
+Example:
+    >>> check_shared("guard", precision="bf16")
+    'bf16-mixed'
+    >>> check_shared("ResourceGuard", monitor="yes")
+    Traceback (most recent call last):
+    ...
+    resource_guard.errors.ConfigurationError: `ResourceGuard(monitor='yes')` must be True or False.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from resource_guard.errors import ConfigurationError
+from resource_guard.observe.profiling import ProfileWindow
+from resource_guard.step.precision import PRECISIONS, parse_precision
+
+__all__ = ["SHARED", "check_shared", "refused"]
+
+SHARED = ("memory_limit", "precision", "target_batch_size", "max_seq_len", "log_dir", "profile", "monitor")
+
+
+def refused(call: str, name: str, value: Any, allowed: str) -> ConfigurationError:
+    """The one wording of a refused setting: ```call(name=value)` must be allowed.``"""
+    return ConfigurationError(f"`{call}({name}={value!r})` must be {allowed}.")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_shared(
+    call: str,
+    *,
+    memory_limit: Any = None,
+    precision: Any = None,
+    target_batch_size: Any = None,
+    max_seq_len: Any = None,
+    log_dir: Any = None,
+    profile: Any = True,
+    monitor: Any = True,
+    precisions: Sequence[str] | None = None,
+) -> str | None:
+    """Refuse a bad shared setting, quoting ``call``; returns the precision's canonical name (``None``,
+    ``"auto"`` or a precision name: ``"bf16"`` becomes ``"bf16-mixed"``).
+
+    ``precisions``: the names this door can apply (default every Lightning precision name).
+    """
+    from resource_guard.devices import parse_memory_limit
+
+    if memory_limit is not None:
+        parse_memory_limit(memory_limit, call)
+    names = tuple(precisions) if precisions is not None else tuple(PRECISIONS)
+    allowed = f"None (keep the run's precision), 'auto' or one of {', '.join(names)}"
+    if precision not in (None, "auto"):
+        if not isinstance(precision, (str, int)) or isinstance(precision, bool):
+            raise refused(call, "precision", precision, allowed)
+        try:
+            precision = parse_precision(precision).name
+        except ConfigurationError:
+            raise refused(call, "precision", precision, allowed) from None
+        if precision not in names:
+            raise refused(call, "precision", precision, allowed)
+    if target_batch_size is not None and not _positive_int(target_batch_size):
+        raise refused(call, "target_batch_size", target_batch_size, "a positive int or None")
+    if max_seq_len is not None and not _positive_int(max_seq_len):
+        raise refused(call, "max_seq_len", max_seq_len, "a positive int or None")
+    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+        raise refused(call, "log_dir", log_dir, "a directory path or None")
+    if not isinstance(profile, (bool, ProfileWindow)):
+        raise refused(call, "profile", profile, "True, False or a ProfileWindow")
+    if not isinstance(monitor, bool):
+        raise refused(call, "monitor", monitor, "True or False")
+    return precision  # type: ignore[no-any-return]
