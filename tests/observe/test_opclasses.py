@@ -192,3 +192,33 @@ def test_a_real_cpu_window_sees_casts_and_scalar_reads_with_their_call_sites() -
     assert any(here in site and "train_step" in site for site in sites), sites
     assert summary.cast_sites[0][1] >= 2.0  # the two casts per step (and the backward's copies)
     assert not any(".py(" in op for op, _, _ in summary.top_ops)  # Python frames are not ops
+
+
+def _copy(start: float, dur: float) -> EventRecord:
+    return EventRecord("aten::copy_", False, dur, ((64, 64), (64, 64)), start_us=start, total_us=dur)
+
+
+def test_classes_are_medians_over_the_steps_and_one_slow_call_is_a_stall() -> None:
+    """Issue #37: one aten::copy_ that stalled 150 ms inside the window made casts 100% of the step.
+    The stall is set apart and counted at its kind's usual time; the classes are per-step medians."""
+    events = []
+    for k, mm in enumerate((2000.0, 2200.0, 2400.0)):
+        t0 = k * 200_000.0
+        events.append(_ev(f"ProfilerStep#{k}", t0, 190_000.0 if k == 1 else 10_000.0))
+        events.append(_ev("aten::mm", t0 + 10, mm))
+        events += [_copy(t0 + 3000 + 200 * i, 100.0) for i in range(4)]
+    events.append(_copy(200_000.0 + 5000, 150_000.0))  # the stall, in step 1
+    b = op_breakdown(events, steps=3)
+    classes, spread = dict(b.class_us), dict(b.class_spread_us)
+    # 4 copies of 100 us a step; step 1's stall counts at its kind's 100 us (500), the median is 400
+    assert classes["casts"] == 400.0 and spread["casts"] == 50.0
+    assert classes["matmul"] == 2200.0 and spread["matmul"] == 200.0  # median, half the range
+    assert [(op, us) for op, us, _ in b.stalls] == [("aten::copy_", 150_000.0)]
+    calm = op_breakdown([e for e in events if e.duration_us < 100_000.0 or e.name.startswith("Prof")], 3)
+    assert calm.stalls == () and dict(calm.class_us)["casts"] == 400.0
+    slow_everywhere = [  # the same slow copy in every step is the op's time, not a stall
+        e if e.name != "aten::copy_" or e.start_us % 200_000.0 != 3000 else _copy(e.start_us or 0.0, 9000.0)
+        for e in events
+        if e.duration_us < 100_000.0 or e.name.startswith("Prof")
+    ]
+    assert op_breakdown(slow_everywhere, 3).stalls == ()

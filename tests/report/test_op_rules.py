@@ -187,3 +187,59 @@ def test_a_run_without_a_cause_stays_healthy() -> None:
         compile={"recompiles": 0, "graph_breaks": 0},
     )
     assert analyze(stats).verdict == "healthy"
+
+
+_ROWS = (
+    {"config": "8×4 bf16-mixed", "precision": "bf16-mixed", "micro_batch_size": 8, "accumulation_steps": 4,
+     "checkpointing": 0, "predicted_peak_bytes": 3 * 2**30, "fits": True, "chosen": True},
+    {"config": "8×4 bf16-true", "precision": "bf16-true", "micro_batch_size": 8, "accumulation_steps": 4,
+     "checkpointing": 0, "predicted_peak_bytes": 2 * 2**30, "fits": True, "chosen": False},
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rows", "said"),
+    [
+        (_ROWS, "keep them in it instead (bf16-true, the plan's row '8×4 bf16-true': 2.00 GiB, fits"),
+        ((_ROWS[0], {**_ROWS[1], "fits": False}), "ruled out by the plan (the plan's row '8×4 bf16-true'"),
+        (_ROWS[:1], "the plan did not evaluate bf16-true"),
+        ((), "the plan did not evaluate bf16-true"),
+    ],
+)
+def test_casts_recommend_the_compute_dtype_only_as_the_plan_evaluated_it(rows: tuple, said: str) -> None:
+    """Issue #37: the plan chose bf16-mixed and the finding advised bf16-true, which the plan's table
+    never evaluated. A configuration is recommended only from a row of the plan that fits, quoted."""
+    p = _profile(op_class_us=(("matmul", 4000.0), ("casts", 3000.0)))
+    f = rule_casts(RunStats(step_time_s=0.01, profile=p, precision="bf16-mixed", plan_rows=rows))
+    assert f is not None
+    text = " ".join(f.advice)
+    assert said in text, text
+    assert ("keep them in it instead" in text) == (rows == _ROWS)
+
+
+def test_casts_state_the_median_share_with_its_spread_and_a_stall_is_an_event() -> None:
+    p = _profile(
+        op_class_us=(("matmul", 4000.0), ("casts", 2000.0)),
+        op_class_spread_us=(("matmul", 100.0), ("casts", 300.0)),
+        stalls=(("aten::copy_", 150_000.0, "train.py:9 (step)"),),
+    )
+    stats = RunStats(step_time_s=0.01, profile=p)
+    f = rule_casts(stats)
+    assert f is not None and f.evidence["casts_share"] == 0.2 and f.evidence["casts_share_spread"] == 0.03
+    assert "20% (±3 points over 3 profiled steps)" in f.title
+    stall = op_rules.rule_stall(stats)
+    assert stall is not None and stall.severity == "info" and stall.predicted_step_s is None
+    assert "aten::copy_ call took 150.0 ms" in stall.title and "train.py:9 (step)" in stall.title
+    assert "%" not in stall.title.split("(")[0]  # no share: an event
+    assert op_rules.rule_stall(RunStats(step_time_s=0.01, profile=_profile())) is None
+
+
+def test_every_share_divides_by_the_untraced_step() -> None:
+    """One definition (issue #37): the run's step measured without the profiler, for every rule."""
+    gpu = _profile(op_timeline="device", step_wall_us=20_000.0, syncs_per_step=4.0, sync_idle_us=1500.0)
+    f = rule_host_sync(RunStats(step_time_s=0.01, profile=gpu, device_kind="cuda"))
+    assert f is not None and f.evidence["sync_idle_share"] == 0.15  # of 10 ms, not of the traced 20 ms
+    comm = _profile(op_timeline="device", step_wall_us=20_000.0, comm_us=3000.0, exposed_comm_us=1000.0)
+    c = rule_comm_bound(RunStats(step_time_s=0.01, profile=comm))
+    assert c is not None and c.evidence["exposed_comm_share"] == 0.1
+    assert RunStats(profile=comm).step_us() == 20_000.0 and RunStats().step_us() is None
