@@ -7,6 +7,7 @@ well under a second on one CPU thread.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from resource_guard import demo
 from resource_guard.devices import resolve_device
 from resource_guard.estimate import estimate_memory
 from resource_guard.planning.checkpointing import apply_checkpointing
+from resource_guard.planning.op_time import cpu_calibration
 from resource_guard.planning.planner import plan
 from resource_guard.step.batching import resize_batch
 
@@ -67,21 +69,44 @@ def _demo_gpt() -> tuple[nn.Module, Any, Callable[..., Any] | None]:
     return model, batch, lambda m, b: m(*b)
 
 
-def _tiny_gpt2() -> tuple[nn.Module, Any, Callable[..., Any]]:
+def _gpt2(layers: int, width: int, heads: int) -> tuple[nn.Module, Any, Callable[..., Any]]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=2048)
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=64, vocab_size=2048)
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, 2048, (TARGET, 64))
     return model, ids, lambda m, b: m(input_ids=b, labels=b).loss
+
+
+def _bert() -> tuple[nn.Module, Any, Callable[..., Any]]:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=512, max_position_embeddings=64)  # fmt: skip
+    model = BertForMaskedLM(config)
+    ids = torch.randint(0, 2048, (TARGET, 64))
+    return model, ids, lambda m, b: m(input_ids=b, labels=b).loss
+
+
+def _vit() -> tuple[nn.Module, Any, Callable[..., Any]]:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=32, patch_size=4, hidden_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=256, num_labels=10)  # fmt: skip
+    model = ViTForImageClassification(config)
+    batch = (torch.randn(TARGET, 3, 32, 32), torch.randint(0, 10, (TARGET,)))
+    return model, batch, lambda m, b: m(pixel_values=b[0], labels=b[1]).loss
 
 
 MODELS: dict[str, Callable[[], tuple[nn.Module, Any, Any]]] = {
     "demo gpt": _demo_gpt,
     "autoencoder": _autoencoder,
     "cnn": _cnn,
-    "tiny gpt-2": _tiny_gpt2,
+    "tiny gpt-2": lambda: _gpt2(2, 64, 4),
+    "small gpt-2": lambda: _gpt2(4, 256, 4),
+    "bert": _bert,
     "lstm": _lstm,
+    "vit": _vit,
 }
 
 
@@ -118,45 +143,68 @@ def _cap(model: nn.Module, batch: Any, loss_fn: Any) -> int:
 def run_one(name: str, rounds: int) -> dict[str, Any]:
     model, batch, loss_fn = MODELS[name]()
     cap = _cap(model, batch, loss_fn)
+    t0 = time.perf_counter()
+    plan(model, torch.optim.AdamW, batch, loss_fn, device="cpu", memory_limit=cap, headroom=0.0,
+         target_batch_size=TARGET, step_time="rule")  # fmt: skip
+    t1 = time.perf_counter()
     made = plan(model, torch.optim.AdamW, batch, loss_fn, device="cpu", memory_limit=cap, headroom=0.0,
                 target_batch_size=TARGET, step_time="auto")  # fmt: skip
+    t2 = time.perf_counter()
     configs = [a for a in made.alternatives if a.fits and a.predicted_step_ms is not None]
     opt = torch.optim.AdamW(model.parameters())
-    times: dict[str, list[float]] = {a.config(): [] for a in configs}
+    times: dict[str, list[tuple[float, float]]] = {a.config(): [] for a in configs}
     for _ in range(rounds + 1):  # the first round warms up
         for a in configs:
             every = int(a.checkpointing)
             handle = apply_checkpointing(model, every=every) if every else None
-            start = time.perf_counter()
+            start, wall = time.thread_time(), time.perf_counter()
             _step(model, opt, batch, loss_fn, a.micro_batch_size, a.precision)
-            times[a.config()].append(time.perf_counter() - start)
+            times[a.config()].append((time.thread_time() - start, time.perf_counter() - wall))
             if handle is not None:
                 handle.remove()
     rows = []
     for a in configs:
-        measured = statistics.median(times[a.config()][1:]) * 1e3
-        rows.append((a.config(), a.chosen, a.predicted_step_ms, measured))
+        measured = statistics.median(t for t, _ in times[a.config()][1:]) * 1e3
+        wall = statistics.median(w for _, w in times[a.config()][1:]) * 1e3
+        rows.append((a.config(), a.chosen, a.predicted_step_ms, measured, wall))
     fastest = min(rows, key=lambda r: r[3])
     chosen = next(r for r in rows if r[1])
-    return {"case": name, "cap_mib": cap / MIB, "rows": rows, "fastest": fastest, "chosen": chosen}
+    return {"case": name, "cap_mib": cap / MIB, "rows": rows, "fastest": fastest, "chosen": chosen,
+            "rule_s": t1 - t0, "plan_s": t2 - t1}  # fmt: skip
 
 
 def main(only: str | None, rounds: int) -> None:
     torch.set_num_threads(1)
-    print(f"target batch {TARGET}, precision auto, AdamW, CPU, 1 thread; medians of {rounds} rounds\n")
-    print("| case | config | predicted ms/step | measured ms/step | error | chosen |")
-    print("|---|---|---:|---:|---:|:-:|")
+    load = os.getloadavg()
+    started = time.perf_counter()
+    # the machine is shared: the calibration and the steps are timed in this thread's CPU time (what
+    # they take on a core of their own); wall-clock medians are printed beside them
+    cal = cpu_calibration(timer=time.thread_time, refresh=True)
+    print(
+        f"target batch {TARGET}, precision auto, AdamW, CPU, 1 thread; medians of {rounds} interleaved "
+        f"rounds in thread CPU time; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+        f"({os.cpu_count()} CPUs); calibration {cal.calibration_s:.2f} s\n"
+    )
+    print(
+        "| case | config | planning s auto / rule | predicted ms/step | measured ms/step | error "
+        "| wall ms/step | chosen |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|:-:|")
     errors, gaps = [], []
     for name in MODELS:
         if only and only not in name:
             continue
         with contextlib.suppress(KeyboardInterrupt):
             r = run_one(name, rounds)
-        for config, chosen, pred, meas in r["rows"]:
+        for config, chosen, pred, meas, wall in r["rows"]:
             err = pred / meas - 1
             errors.append(abs(err))
             mark = "**yes**" if chosen else ""
-            print(f"| {name} | {config} | {pred:,.1f} | {meas:,.1f} | {err:+.0%} | {mark} |", flush=True)
+            print(
+                f"| {name} | {config} | {r['plan_s']:.1f} / {r['rule_s']:.1f} | {pred:,.1f} | {meas:,.1f} "
+                f"| {err:+.0%} | {wall:,.1f} | {mark} |",
+                flush=True,
+            )
         gap = r["chosen"][3] / r["fastest"][3] - 1
         gaps.append((name, r["chosen"][0], r["fastest"][0], gap))
     print("\n| case | chosen | fastest measured | chosen vs fastest |")
@@ -164,6 +212,11 @@ def main(only: str | None, rounds: int) -> None:
     for name, c, f, gap in gaps:
         print(f"| {name} | {c} | {f} | {gap:+.1%} |")
     within = sum(g <= 0.05 for *_, g in gaps)
+    load = os.getloadavg()
+    print(
+        f"\nload average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+        f"{time.perf_counter() - started:.0f} s in all"
+    )
     print(
         f"\nchoice within 5% of the fastest: {within}/{len(gaps)}; median |prediction error| "
         f"{statistics.median(errors):.0%} (target <= 10%); within 20%: "

@@ -82,7 +82,9 @@ def test_prediction_adds_micro_steps_and_the_optimizer() -> None:
     ops = count_step_ops(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 16),
                          lambda m, b: m(b).sum())  # fmt: skip
     p = predict_ops(ops, cal)
-    assert p.step_s(3) == pytest.approx(3 * p.micro_step_s + p.optimizer_s)
+    assert p.accumulate_s > 0  # each later micro-step adds its gradients to the earlier ones
+    assert p.step_s(3) == pytest.approx(3 * p.micro_step_s + 2 * p.accumulate_s + p.optimizer_s)
+    assert p.step_s(1) == pytest.approx(p.micro_step_s + p.optimizer_s)
     assert sum(p.micro_step_by_class_s.values()) == pytest.approx(p.micro_step_s)
     with pytest.raises(TypeError, match="OpTimeModel"):
         OpTimeModel("fast")  # type: ignore[arg-type]

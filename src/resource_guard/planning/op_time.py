@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import statistics
@@ -58,17 +59,19 @@ __all__ = [
     "cpu_calibration",
 ]
 
-OP_CLASSES = ("matmul", "conv", "attention", "transcendental", "elementwise", "copy", "view")
+OP_CLASSES = ("matmul", "conv", "attention", "transcendental", "elementwise", "copy", "view", "framework")
 _MATMUL_LIKE = ("matmul", "conv", "attention")
 _CALIBRATED_DTYPES = (torch.float32, torch.bfloat16)
 _MATMUL_SIZES = (64, 192, 512)  # n of an n×n×n matmul: 0.5, 14 and 268 MFLOP
 _COPY_NUMELS = (2**14, 2**18, 2**22)  # 64 KiB, 1 MiB and 16 MiB of fp32
+_COLD_NUMEL, _COLD_TENSORS = 2**20, 16  # 64 MiB of fp32, past any last-level cache of one core's share
+_LAYOUTS = ("nn", "nt", "tn")
 _COPY_NAMES = frozenset(
     {"_to_copy", "copy_", "clone", "contiguous", "cat", "stack", "_copy_from", "index_select", "gather"}
 )
 # elementwise operators bound by their arithmetic (exp, erf) rather than by memory on a CPU
 _TRANSCENDENTAL = (
-    "softmax", "gelu", "exp", "tanh", "sigmoid", "erf", "silu", "nll_loss", "layer_norm", "pow",
+    "softmax", "gelu", "exp", "tanh", "sigmoid", "erf", "silu", "layer_norm", "pow",
 )  # fmt: skip
 _NO_WORK = frozenset(
     {"detach", "alias", "_unsafe_view", "empty", "empty_like", "empty_strided", "lift_fresh", "sym_size"}
@@ -81,12 +84,20 @@ class OpWork:
     """One traced operator: its class, FLOPs, bytes moved and the dtype it computes in.
 
     ``flops`` of a ``"transcendental"`` operator counts the elements of its largest input instead.
+    ``name``: the ATen operator (``"addmm"``); ``phase``: ``"forward"``, ``"backward"`` or ``"optimizer"``;
+    ``variant``: a matmul's layout (``"nt"``: its second operand a transposed view; ``"rnn"``: a fused
+    recurrent layer, run as ``steps`` sequential time steps), an attention's ``"forward"`` /
+    ``"backward"``, a copy's ``"cast"`` (dtype change).
     """
 
     op_class: str
     flops: float
     bytes: int
     dtype: torch.dtype
+    name: str = ""
+    phase: str = ""
+    variant: str = ""
+    steps: int = 1
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -136,34 +147,77 @@ def _cpu_attention_flops(func: Any, args: tuple, kwargs: dict) -> float:
     return forward * (2.5 if backward else 1.0) * (0.5 if causal else 1.0)
 
 
+def _is_transposed(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() >= 2 and t.stride(-1) != 1 and t.stride(-2) == 1
+
+
+def _matmul_layout(name: str, args: tuple) -> str:
+    """``"nn"``, ``"nt"``, ``"tn"`` or ``"tt"``: which operands of a matmul are transposed views."""
+    operands = args[1:3] if name in ("addmm", "baddbmm") else args[:2]
+    if len(operands) < 2:
+        return ""
+    return "".join("t" if _is_transposed(t) else "n" for t in operands)
+
+
+def _rnn_flops(name: str, ins: list[torch.Tensor]) -> float:
+    """A fused recurrent layer (``mkldnn_rnn_layer``): its input and hidden projections, 2× backward."""
+    floats = [t for t in ins if t.is_floating_point()]
+    if not floats or floats[0].dim() < 2:
+        return 0.0
+    rows = floats[0].numel() // floats[0].shape[-1]  # time steps × batch
+    weights = sum(t.numel() for t in floats[1:] if t.dim() == 2)
+    return 2.0 * rows * weights * (2.0 if "backward" in name else 1.0)
+
+
 def classify_op(func: Any, args: tuple, kwargs: dict, out: Any) -> OpWork:
     """The class, FLOPs and bytes moved of one ATen operator call (fake or real tensors).
 
     Example:
         >>> a, b = torch.ones(4, 8), torch.ones(8, 2)
         >>> w = classify_op(torch.ops.aten.mm.default, (a, b), {}, a @ b)
-        >>> w.op_class, w.flops, w.bytes
-        ('matmul', 128.0, 224)
+        >>> w.op_class, w.flops, w.bytes, w.variant
+        ('matmul', 128.0, 224, 'nn')
     """
     name = func.__name__.split(".")[0]
     ins, outs = _tensors((args, kwargs)), _tensors(out)
     dtype = next((t.dtype for t in (*outs, *ins) if t.is_floating_point()), torch.float32)
+
+    def work(op_class: str, flops: float, moved: int, variant: str = "") -> OpWork:
+        return OpWork(op_class, flops, moved, dtype, name, variant=variant)
+
     if getattr(func, "is_view", False) or name in _NO_WORK:
-        return OpWork("view", 0.0, 0, dtype)
+        return work("view", 0.0, 0)
     outs = [t for t in outs if all(t is not i for i in ins)]  # an in-place op's output is its input
     moved = sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))
     if name == "embedding":  # reads the rows it gathers, not the table
         moved = 2 * sum(map(_nbytes, outs)) + sum(_nbytes(t) for t in ins if not t.is_floating_point())
+    if name.startswith("nll_loss"):  # reads one score per row (the target's), not the whole row
+        moved = sum(_nbytes(t) for t in outs if t.numel() <= 1) + sum(
+            2 * _nbytes(t) for t in ins if not t.is_floating_point()
+        )
+        if "backward" in name:  # writes its full-size gradient (mostly zeros)
+            moved += sum(map(_nbytes, outs))
     if "attention" in name:
         flops = _registry_flops(func, args, kwargs, out)
-        return OpWork("attention", flops if flops is not None else _cpu_attention_flops(func, args, kwargs),
-                      moved, dtype)  # fmt: skip
+        variant = "backward" if "backward" in name else "forward"
+        flops = flops if flops is not None else _cpu_attention_flops(func, args, kwargs)
+        return work("attention", flops, moved, variant)
+    if "rnn" in name or "lstm" in name or "gru" in name:
+        first = ins[0] if ins else None
+        batch_first = bool(_arg(func, args, kwargs, "batch_first", False))
+        steps = first.shape[1 if batch_first else 0] if first is not None and first.dim() == 3 else 1
+        return dataclasses.replace(work("matmul", _rnn_flops(name, ins), moved, "rnn"), steps=int(steps))
     flops = _registry_flops(func, args, kwargs, out)
     if flops is not None:
-        return OpWork("conv" if "conv" in name else "matmul", flops, moved, dtype)
+        if "conv" in name:
+            return work("conv", flops, moved)
+        return work("matmul", flops, moved, _matmul_layout(name, args))
     if any(t in name for t in _TRANSCENDENTAL):
-        return OpWork("transcendental", float(max((t.numel() for t in ins), default=0)), moved, dtype)
-    return OpWork("copy" if name in _COPY_NAMES else "elementwise", 0.0, moved, dtype)
+        return work("transcendental", float(max((t.numel() for t in ins), default=0)), moved)
+    if name in _COPY_NAMES:
+        kinds = {t.dtype for t in (*ins, *outs) if t.is_floating_point()}
+        return work("copy", 0.0, moved, "cast" if len(kinds) > 1 else "")
+    return work("elementwise", 0.0, moved)
 
 
 @dataclass(frozen=True)
@@ -172,6 +226,8 @@ class StepOps:
 
     micro_step: tuple[OpWork, ...]
     optimizer: tuple[OpWork, ...]
+    gradient_bytes: int = 0
+    gradient_tensors: int = 0
 
 
 def count_step_ops(
@@ -196,7 +252,8 @@ def count_step_ops(
     def observe(phase: str, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         root = phase.split(":")[0]
         if root in ("forward", "backward", "optimizer"):
-            seen.append((phase, classify_op(func, args, kwargs, out)))
+            w = classify_op(func, args, kwargs, out)
+            seen.append((phase, dataclasses.replace(w, phase=root)))
 
     handle = apply_checkpointing(model, every=checkpoint_every) if checkpoint_every else None
     try:
@@ -209,7 +266,13 @@ def count_step_ops(
     # the code path the CPU runs: a for-loop unless the optimizer's settings fix it ("as-set")
     path = "optimizer:as-set" if "optimizer:as-set" in variants else "optimizer:for-loop"
     micro = tuple(w for p, w in seen if p.split(":")[0] in ("forward", "backward"))
-    return StepOps(micro, tuple(w for p, w in seen if p == path))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return StepOps(
+        micro,
+        tuple(w for p, w in seen if p == path),
+        gradient_bytes=sum(_nbytes(p) for p in trained),
+        gradient_tensors=len(trained),
+    )
 
 
 # -- calibration ------------------------------------------------------------------------------------
@@ -218,14 +281,27 @@ class CpuCalibration:
     """This CPU's measured speeds (``cpu_calibration``).
 
     Attributes:
-        matmul_flops_per_s: per dtype name, ``(flops of the matmul, FLOP/s)`` points, smallest first.
-        copy_bytes_per_s: per dtype name, ``(bytes moved, bytes/s)`` points, smallest first.
-        op_overhead_s: host time of one small operator call (dispatch, allocation).
-        attention_flops_per_s: per dtype name, FLOP/s of the CPU's fused causal attention, forward and
-            backward together (far below a plain matmul's).
-        transcendental_per_s: per dtype name, elements/s of ``log_softmax`` forward and backward (exp, log:
-            bound by arithmetic, not memory).
-        view_overhead_s: host time of one view (no kernel).
+        matmul_flops_per_s: ``(flops of the matmul, FLOP/s)`` points, smallest first, per dtype name
+            (``"torch.float32"``: the harmonic mean over layouts) and per dtype and layout
+            (``"torch.bfloat16/nt"``: the second operand a transposed view, as in a Linear's forward).
+        copy_bytes_per_s: per dtype name, ``(bytes moved, bytes/s)`` points of an elementwise pass over
+            data that is in the cache (a forward's freshly made activations), smallest first.
+        cold_bytes_per_s: per dtype name, bytes/s of an in-place pass over data that is not in the cache
+            (the optimizer's states, touched once a step).
+        cast_bytes_per_s: bytes/s of a float32 <-> bfloat16 conversion (autocast's casts).
+        op_overhead_s: host time per traced operator of a real training micro-step beyond its kernel
+            (dispatch, autograd's graph and engine, the module calls and Python between operators),
+            measured on a small model whose kernels are negligible.
+        micro_step_overhead_s: fixed host time of one micro-step (the loss, the backward's start).
+        optimizer_op_overhead_s: host time per traced operator of the optimizer's update (its Python
+            loop over the parameters, the step counters), measured on AdamW.
+        view_overhead_s: host time of one bare view (no kernel, no autograd).
+        rnn_step_s: per dtype name, the fixed time of one time step of a fused recurrent layer
+            (``mkldnn_rnn_layer``, forward or backward) beyond its matmuls' FLOPs.
+        attention_flops_per_s: FLOP/s of the CPU's fused causal attention per dtype name
+            (``"torch.float32"``: forward) and ``"torch.float32/backward"`` (far below a plain matmul's).
+        transcendental_per_s: per dtype name, ``(elements, elements/s)`` points of ``log_softmax``
+            forward and backward (exp, log: bound by arithmetic as much as by memory).
         threads: ``torch.get_num_threads()`` when measured.
         calibration_s: how long the measurement took.
     """
@@ -235,19 +311,36 @@ class CpuCalibration:
     op_overhead_s: float
     view_overhead_s: float
     attention_flops_per_s: Mapping[str, float] = field(default_factory=dict)
-    transcendental_per_s: Mapping[str, float] = field(default_factory=dict)
+    transcendental_per_s: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    cold_bytes_per_s: Mapping[str, float] = field(default_factory=dict)
+    cast_bytes_per_s: float = 0.0
+    micro_step_overhead_s: float = 0.0
+    optimizer_op_overhead_s: float = 0.0
+    rnn_step_s: Mapping[str, float] = field(default_factory=dict)
     threads: int = 1
     calibration_s: float = 0.0
 
-    def matmul_rate(self, dtype: torch.dtype, flops: float) -> float:
+    def matmul_rate(self, dtype: torch.dtype, flops: float, layout: str = "") -> float:
         """FLOP/s of a matmul of ``flops`` in ``dtype`` (interpolated in log size; fp32's if not measured)."""
-        points = self.matmul_flops_per_s.get(str(dtype)) or self.matmul_flops_per_s["torch.float32"]
+        rates = self.matmul_flops_per_s
+        points = (
+            rates.get(f"{dtype}/{layout}")
+            or rates.get(str(dtype))
+            or rates.get(f"torch.float32/{layout}")
+            or rates["torch.float32"]
+        )
         return _interpolate(points, flops)
 
     def bandwidth(self, dtype: torch.dtype, nbytes: float) -> float:
         """Bytes/s of an elementwise pass over ``nbytes`` in ``dtype``."""
         points = self.copy_bytes_per_s.get(str(dtype)) or self.copy_bytes_per_s["torch.float32"]
         return _interpolate(points, nbytes)
+
+    def cold_bandwidth(self, dtype: torch.dtype, nbytes: float) -> float:
+        """Bytes/s of a pass over data not in the cache (no slower than the in-cache curve says)."""
+        cold = self.cold_bytes_per_s.get(str(dtype)) or self.cold_bytes_per_s.get("torch.float32")
+        hot = self.bandwidth(dtype, nbytes)
+        return min(hot, cold) if cold else hot
 
 
 def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
@@ -272,64 +365,197 @@ def _median_s(fn: Callable[[], Any], timer: Callable[[], float], reps: int, roun
     return max(statistics.median(times), 1e-12)
 
 
-def _attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+def _attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool) -> None:
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if backward:
+        out.sum().backward()
 
 
 def _softmax_step(x: torch.Tensor) -> None:
     torch.log_softmax(x, dim=-1).sum().backward()
 
 
-def measure_cpu(timer: Callable[[], float] = time.perf_counter) -> CpuCalibration:
-    """Measure this CPU now (a few matmuls and copies per dtype; ~0.2 s). ``timer``: for tests."""
-    started = timer()
-    matmul: dict[str, tuple[tuple[float, float], ...]] = {}
-    copies: dict[str, tuple[tuple[float, float], ...]] = {}
+def _scale_all(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        t.mul_(1.0)
+
+
+def _lstm_step(lstm: nn.Module, x: torch.Tensor) -> None:
+    lstm(x)[0].sum().backward()
+
+
+def _harmonic(points: list[tuple[tuple[float, float], ...]]) -> tuple[tuple[float, float], ...]:
+    return tuple((column[0][0], len(column) / sum(1.0 / r for _, r in column)) for column in zip(*points))
+
+
+def _measure_matmuls(timer: Callable[[], float]) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Square matmuls per dtype and layout: ``nn``, ``nt`` (a Linear's forward), ``tn`` (its weight grad)."""
+    rates: dict[str, tuple[tuple[float, float], ...]] = {}
     with torch.no_grad():
         for dtype in _CALIBRATED_DTYPES:
-            points = []
-            for n in _MATMUL_SIZES:
-                a, b = torch.ones(n, n, dtype=dtype), torch.ones(n, n, dtype=dtype)
-                flops = 2.0 * n**3
-                points.append(
-                    (flops, flops / _median_s(functools.partial(torch.mm, a, b), timer, 2 if n > 256 else 8))
-                )
-            matmul[str(dtype)] = tuple(points)
+            by_layout = []
+            for layout in _LAYOUTS:
+                points = []
+                for n in _MATMUL_SIZES:
+                    a, b = torch.ones(n, n, dtype=dtype), torch.ones(n, n, dtype=dtype)
+                    a = a.t() if layout[0] == "t" else a
+                    b = b.t() if layout[1] == "t" else b
+                    flops = 2.0 * n**3
+                    seconds = _median_s(functools.partial(torch.mm, a, b), timer, 2 if n > 256 else 8)
+                    points.append((flops, flops / seconds))
+                rates[f"{dtype}/{layout}"] = tuple(points)
+                by_layout.append(tuple(points))
+            rates[str(dtype)] = _harmonic(by_layout)
+    return rates
+
+
+def _measure_passes(
+    timer: Callable[[], float],
+) -> tuple[dict[str, tuple[tuple[float, float], ...]], dict[str, float], float]:
+    """Elementwise passes in cache (a few sizes) and out of it, per dtype; casts float32 <-> bfloat16."""
+    hot: dict[str, tuple[tuple[float, float], ...]] = {}
+    cold: dict[str, float] = {}
+    with torch.no_grad():
+        for dtype in _CALIBRATED_DTYPES:
             points = []
             for numel in _COPY_NUMELS:
                 x = torch.ones(numel, dtype=dtype)
                 moved = 2.0 * numel * x.element_size()  # read and write
-                points.append(
-                    (
-                        moved,
-                        moved / _median_s(functools.partial(x.mul, 2.0), timer, 2 if numel > 2**20 else 8),
-                    )
-                )
-            copies[str(dtype)] = tuple(points)
-    attention: dict[str, float] = {}
-    transcendental: dict[str, float] = {}
+                seconds = _median_s(functools.partial(x.mul, 2.0), timer, 2 if numel > 2**20 else 8)
+                points.append((moved, moved / seconds))
+            hot[str(dtype)] = tuple(points)
+            pool = [torch.ones(_COLD_NUMEL, dtype=dtype) for _ in range(_COLD_TENSORS)]
+            moved = 2.0 * _COLD_NUMEL * _COLD_TENSORS * pool[0].element_size()
+            cold[str(dtype)] = moved / _median_s(functools.partial(_scale_all, pool), timer, 1)
+        # weights of a few hundred KiB each, as autocast casts them
+        wide = [torch.ones(_COLD_NUMEL // 4) for _ in range(4 * _COLD_TENSORS)]
+        narrow = [t.bfloat16() for t in wide]
+        moved = 6.0 * _COLD_NUMEL * _COLD_TENSORS  # 4 bytes read, 2 written (and back)
+        there = _median_s(lambda: [t.to(torch.bfloat16) for t in wide], timer, 1)
+        back = _median_s(lambda: [t.float() for t in narrow], timer, 1)
+    return hot, cold, 2.0 * moved / (there + back)
+
+
+def _measure_rnn(
+    timer: Callable[[], float], matmul: Mapping[str, tuple[tuple[float, float], ...]]
+) -> dict[str, float]:
+    """An LSTM's fixed time per time step: one sequence of 32 steps, forward and backward, less its FLOPs."""
+    steps, width = 32, 64
+    out: dict[str, float] = {}
     for dtype in _CALIBRATED_DTYPES:
-        q, k, v = (torch.ones(1, 4, 128, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+        torch.manual_seed(0)
+        lstm = nn.LSTM(width, width, batch_first=True).to(dtype)
+        x = torch.randn(1, steps, width, dtype=dtype, requires_grad=True)
+        seconds = _median_s(functools.partial(_lstm_step, lstm, x), timer, 1)
+        flops = 3 * 2.0 * steps * 4 * width * 2 * width  # forward, and twice that backward
+        rate = _interpolate(matmul.get(str(dtype)) or matmul["torch.float32"], flops / 3 / steps)
+        out[str(dtype)] = max(seconds - flops / rate, 0.0) / (2 * steps)
+    return out
 
-        flops = 3.5 * 0.5 * 2.0 * 4 * 128 * 128 * (64 + 64)  # forward + 2.5× backward, causal
-        attention[str(dtype)] = flops / _median_s(functools.partial(_attention_step, q, k, v), timer, 2)
-        x = torch.ones(256, 1024, dtype=dtype, requires_grad=True)
 
-        transcendental[str(dtype)] = (
-            2.0 * x.numel() / _median_s(functools.partial(_softmax_step, x), timer, 2)
+def _tiny_model(blocks: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        layers += [nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def _tiny_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).square().mean()
+
+
+def _measure_step_overheads(
+    timer: Callable[[], float], partial: CpuCalibration, reps: int = 10
+) -> tuple[float, float, float]:
+    """Per-operator host time of real training steps whose kernels are negligible.
+
+    Two small models (2 and 8 blocks of Linear, LayerNorm, GELU; batch 2), each traced with
+    :func:`count_step_ops` and run for real (forward and backward; AdamW's update and ``zero_grad``):
+    the slope between them is the time per micro-step operator, the intercept the fixed time per
+    micro-step; the optimizer's time over its traced operators the time per optimizer operator. The
+    kernels' own predicted time is taken off first.
+    """
+    points = []
+    for blocks in (2, 8):
+        model, batch = _tiny_model(blocks), torch.randn(2, 8)
+        ops = count_step_ops(model, torch.optim.AdamW, batch, _tiny_loss)
+        kernels = predict_ops(ops, partial)
+        opt = torch.optim.AdamW(model.parameters())
+        micro_times, opt_times = [], []
+        for i in range(reps + 2):  # two warm-ups
+            t0 = timer()
+            _tiny_loss(model, batch).backward()
+            t1 = timer()
+            opt.step()
+            opt.zero_grad()
+            t2 = timer()
+            if i >= 2:
+                micro_times.append(t1 - t0)
+                opt_times.append(t2 - t1)
+        points.append(
+            (
+                len(ops.micro_step),
+                statistics.median(micro_times) - kernels.micro_step_s,
+                len(ops.optimizer),
+                statistics.median(opt_times) - kernels.optimizer_s,
+            )
         )
+    (n2, m2, o2, p2), (n8, m8, o8, p8) = points
+    per_op = max((m8 - m2) / max(n8 - n2, 1), partial.view_overhead_s)
+    fixed = max(m2 - n2 * per_op, 0.0)
+    per_opt_op = max((p2 + p8) / max(o2 + o8, 1), partial.view_overhead_s)
+    return per_op, fixed, per_opt_op
+
+
+def measure_cpu(timer: Callable[[], float] = time.perf_counter) -> CpuCalibration:
+    """Measure this CPU now (matmuls, passes and casts per dtype, two tiny training steps; ~1 s).
+
+    ``timer``: for tests.
+    """
+    started = timer()
+    matmul = _measure_matmuls(timer)
+    copies, cold, cast = _measure_passes(timer)
+    attention: dict[str, float] = {}
+    transcendental: dict[str, tuple[tuple[float, float], ...]] = {}
+    for dtype in _CALIBRATED_DTYPES:
+        q, k, v = (torch.ones(2, 4, 256, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+        flops = 0.5 * 2.0 * 2 * 4 * 256 * 256 * (64 + 64)  # forward, causal
+        with torch.no_grad():
+            forward = _median_s(functools.partial(_attention_step, q, k, v, False), timer, 2)
+        both = _median_s(functools.partial(_attention_step, q, k, v, True), timer, 2)
+        attention[str(dtype)] = flops / forward
+        attention[f"{dtype}/backward"] = 2.5 * flops / max(both - forward, forward)
+        points = []
+        for rows in (64, 2048):
+            x = torch.ones(rows, 1024, dtype=dtype, requires_grad=True)
+            points.append(
+                (float(x.numel()), 2.0 * x.numel() / _median_s(functools.partial(_softmax_step, x), timer, 1))
+            )
+        transcendental[str(dtype)] = tuple(points)
+    rnn = _measure_rnn(timer, matmul)
     with torch.no_grad():
         tiny = torch.ones(4)
-        overhead = _median_s(lambda: torch.add(tiny, tiny), timer, 200)
+        dispatch = _median_s(lambda: torch.add(tiny, tiny), timer, 200)
         view = _median_s(lambda: tiny.view(2, 2), timer, 200)
-    return CpuCalibration(
+    kernels_only = CpuCalibration(
         matmul_flops_per_s=matmul,
         copy_bytes_per_s=copies,
-        op_overhead_s=overhead,
+        op_overhead_s=0.0,
         view_overhead_s=view,
         attention_flops_per_s=attention,
         transcendental_per_s=transcendental,
+        cold_bytes_per_s=cold,
+        cast_bytes_per_s=cast,
+        rnn_step_s=rnn,
         threads=torch.get_num_threads(),
+    )
+    per_op, fixed, per_opt_op = _measure_step_overheads(timer, kernels_only)
+    return dataclasses.replace(
+        kernels_only,
+        op_overhead_s=max(per_op, dispatch),
+        micro_step_overhead_s=fixed,
+        optimizer_op_overhead_s=max(per_opt_op, dispatch),
         calibration_s=timer() - started,
     )
 
@@ -361,6 +587,8 @@ class StepTimePrediction:
     Attributes:
         micro_step_s: one micro-step's forward and backward.
         optimizer_s: the optimizer's update, once per step.
+        accumulate_s: what each micro-step after the first adds: its gradients added to the earlier ones
+            (read both, write one, out of the cache) by autograd's per-parameter accumulation.
         micro_step_by_class_s: ``micro_step_s`` split by :data:`OP_CLASSES`.
         flops_per_micro_step / bytes_per_micro_step: what the micro-step's operators compute and move.
         ops_per_micro_step: operators in a micro-step (views included).
@@ -369,13 +597,15 @@ class StepTimePrediction:
     micro_step_s: float
     optimizer_s: float
     micro_step_by_class_s: Mapping[str, float] = field(default_factory=dict)
+    accumulate_s: float = 0.0
     flops_per_micro_step: float = 0.0
     bytes_per_micro_step: int = 0
     ops_per_micro_step: int = 0
 
     def step_s(self, accumulation_steps: int = 1) -> float:
-        """An optimizer step of ``accumulation_steps`` micro-steps."""
-        return accumulation_steps * self.micro_step_s + self.optimizer_s
+        """An optimizer step of ``accumulation_steps`` micro-steps (each after the first adds its grads)."""
+        k = accumulation_steps
+        return k * self.micro_step_s + (k - 1) * self.accumulate_s + self.optimizer_s
 
     def describe(self, accumulation_steps: int = 1) -> str:
         """``"41.2 ms/step: matmul 60%, elementwise 25%, …"``."""
@@ -400,30 +630,67 @@ class StepTimeModel(Protocol):
     ) -> StepTimePrediction: ...
 
 
-def _op_seconds(w: OpWork, cal: CpuCalibration) -> float:
+def _kernel_seconds(w: OpWork, cal: CpuCalibration) -> float:
+    """The operator's own work: its FLOPs at the calibrated rate or its bytes at the bandwidth."""
     if w.op_class == "view":
-        return cal.view_overhead_s
-    memory = w.bytes / cal.bandwidth(w.dtype, w.bytes) if w.bytes else 0.0
+        return 0.0
+    if w.variant == "cast" and cal.cast_bytes_per_s:
+        memory = w.bytes / cal.cast_bytes_per_s
+    elif w.phase == "optimizer":  # the states were last touched a step ago: not in the cache
+        memory = w.bytes / cal.cold_bandwidth(w.dtype, w.bytes) if w.bytes else 0.0
+    else:
+        memory = w.bytes / cal.bandwidth(w.dtype, w.bytes) if w.bytes else 0.0
     if w.op_class == "attention" and w.flops and cal.attention_flops_per_s:
-        rate = cal.attention_flops_per_s.get(str(w.dtype)) or cal.attention_flops_per_s["torch.float32"]
-        return max(w.flops / rate, memory) + cal.op_overhead_s
+        rates = cal.attention_flops_per_s
+        rate = (
+            rates.get(f"{w.dtype}/{w.variant}" if w.variant == "backward" else str(w.dtype))
+            or rates.get("torch.float32/backward" if w.variant == "backward" else "torch.float32")
+            or rates["torch.float32"]
+        )
+        return max(w.flops / rate, memory)
     if w.op_class == "transcendental" and cal.transcendental_per_s:
-        rate = cal.transcendental_per_s.get(str(w.dtype)) or cal.transcendental_per_s["torch.float32"]
-        return max(w.flops / rate, memory) + cal.op_overhead_s
+        points = cal.transcendental_per_s.get(str(w.dtype)) or cal.transcendental_per_s["torch.float32"]
+        return max(w.flops / _interpolate(points, w.flops or 1.0), memory)
+    if w.variant == "rnn":  # one small matmul per time step, each paying a fixed cost
+        per_step = cal.rnn_step_s.get(str(w.dtype)) or cal.rnn_step_s.get("torch.float32", 0.0)
+        return w.flops / cal.matmul_rate(w.dtype, w.flops / w.steps) + w.steps * per_step
     if w.op_class in _MATMUL_LIKE and w.flops:
-        return max(w.flops / cal.matmul_rate(w.dtype, w.flops), memory) + cal.op_overhead_s
-    return memory + cal.op_overhead_s
+        return max(w.flops / cal.matmul_rate(w.dtype, w.flops, w.variant), memory)
+    return memory
+
+
+def _overhead_seconds(w: OpWork, cal: CpuCalibration) -> float:
+    """The host time around the kernel, as a training step pays it (see :class:`CpuCalibration`)."""
+    if w.phase == "optimizer":
+        return cal.optimizer_op_overhead_s or cal.op_overhead_s
+    return cal.op_overhead_s
+
+
+def _op_seconds(w: OpWork, cal: CpuCalibration) -> float:
+    return _kernel_seconds(w, cal) + _overhead_seconds(w, cal)
 
 
 def predict_ops(ops: StepOps, cal: CpuCalibration) -> StepTimePrediction:
-    """Time the counted operators with a calibration."""
+    """Time the counted operators with a calibration.
+
+    Kernels go to their operator's class; the host time around them (per operator, and the fixed part
+    of a micro-step) to ``"framework"``.
+    """
     by_class = dict.fromkeys(OP_CLASSES, 0.0)
     for w in ops.micro_step:
-        by_class[w.op_class] += _op_seconds(w, cal)
+        by_class[w.op_class] += _kernel_seconds(w, cal)
+        by_class["framework"] += _overhead_seconds(w, cal)
+    by_class["framework"] += cal.micro_step_overhead_s
     return StepTimePrediction(
         micro_step_s=sum(by_class.values()),
         optimizer_s=sum(_op_seconds(w, cal) for w in ops.optimizer),
         micro_step_by_class_s=by_class,
+        accumulate_s=(
+            3 * ops.gradient_bytes / cal.cold_bandwidth(torch.float32, 3 * ops.gradient_bytes)
+            + ops.gradient_tensors * cal.op_overhead_s
+            if ops.gradient_bytes
+            else 0.0
+        ),
         flops_per_micro_step=sum(w.flops for w in ops.micro_step if w.op_class in _MATMUL_LIKE),
         bytes_per_micro_step=sum(w.bytes for w in ops.micro_step),
         ops_per_micro_step=len(ops.micro_step),
