@@ -255,8 +255,8 @@ def op_breakdown(events: Iterable[EventRecord], steps: int) -> OpBreakdown:
     outside them are shared out evenly), with its spread (half the range of the steps' values): one
     slow step does not move it. A single op call far slower than the other calls of that op with the
     same shapes (:data:`STALL_FACTOR` times their median, and at least :data:`STALL_STEP_SHARE` of the
-    median step) is a stall (:attr:`OpBreakdown.stalls`): it counts at the median of its kind, never as
-    the share of its class.
+    median step), in at most half of the steps, is a stall (:attr:`OpBreakdown.stalls`): it counts at
+    the median of its kind, never as the share of its class.
 
     Args:
         events: the window's records (steps, ops, runtime calls, kernels, Python frames).
@@ -385,15 +385,26 @@ def _without_stalls(
         if times is not None and _may_stall(ev):
             times.append(ev.duration_us)
     usual = {k: statistics.median(v) for k, v in kinds.items() if len(v) >= 3}
+
+    def outlier(ev: EventRecord) -> float | None:
+        typical = usual.get((ev.name, ev.input_shapes))
+        if typical is None or not _may_stall(ev) or ev.duration_us < floor_us:
+            return None
+        return typical if ev.duration_us >= STALL_FACTOR * max(typical, 1.0) else None
+
+    # a slow call that recurs in most steps is the op's own time (the step does it), not a stall
+    starts = [a for a, _ in spans]
+    steps_hit: dict[tuple[str, tuple[tuple[int, ...], ...]], set[int]] = {}
+    for ev in evs:
+        if outlier(ev) is not None:
+            steps_hit.setdefault((ev.name, ev.input_shapes), set()).add(
+                _step_index(starts, spans, ev.start_us)
+            )
+    recurring = {k for k, hit in steps_hit.items() if len(hit) * 2 > len(spans)}
     out, stalls = [], []
     for ev in evs:
-        typical = usual.get((ev.name, ev.input_shapes))
-        if (
-            typical is not None
-            and _may_stall(ev)
-            and ev.duration_us >= floor_us
-            and ev.duration_us >= STALL_FACTOR * max(typical, 1.0)
-        ):
+        typical = outlier(ev)
+        if typical is not None and (ev.name, ev.input_shapes) not in recurring:
             stalls.append((ev, ev.duration_us))
             out.append(dataclasses.replace(ev, duration_us=typical))
         else:
