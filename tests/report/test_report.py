@@ -65,9 +65,16 @@ def test_input_bound_advice_on_a_gpu_with_workers() -> None:
     assert "prefetch_factor from 2 to 4" in advice
 
 
-def test_input_bound_without_loader_info_still_advises_workers() -> None:
-    advice = rule_input_bound(RunStats(data_wait_share=0.2, available_cores=2)).advice  # type: ignore[union-attr]
-    assert "num_workers" in advice[0]
+def test_input_bound_without_loader_info_advises_no_setting_it_could_not_read() -> None:
+    """Issue #37: plain guard passed no loader settings and DCGAN (num_workers=2) was told "set
+    num_workers (about 1 here)". Unread settings are said to be unread, and none is advised."""
+    advice = " | ".join(rule_input_bound(RunStats(data_wait_share=0.2, available_cores=2)).advice)  # type: ignore[union-attr]
+    assert "were not readable" in advice and "about" not in advice
+    assert "persistent_workers=True" not in advice and "prefetch_factor=4" not in advice
+    read = {"num_workers": 2, "pin_memory": False, "persistent_workers": False, "prefetch_factor": 2}
+    stats = RunStats(data_wait_share=0.2, available_cores=2, loader_info=read)
+    advice = " | ".join(rule_input_bound(stats).advice)  # type: ignore[union-attr]
+    assert "num_workers=2 already uses the 2 available cores" in advice and "Raise DataLoader" not in advice
 
 
 @given(share=st.floats(0, 1), threshold=st.floats(0.001, 0.999))

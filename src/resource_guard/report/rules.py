@@ -89,28 +89,35 @@ def rule_input_bound(s: RunStats) -> Finding | None:
     workers = info.get("num_workers")
     cores = s.available_cores
     advice = []
-    if isinstance(workers, int) and cores is not None:
-        target = max(1, cores - 1)
-        if workers < target:
-            advice.append(
-                f"Raise DataLoader num_workers from {workers} to about {target}: {cores} cores are available "
-                f"to this process (os.cpu_count() = {s.cpu_count}); keep one for the training loop"
-                + (" and divide them among the ranks of this node." if s.world_size > 1 else ".")
-            )
-        else:
-            advice.append(
-                f"num_workers={workers} already uses the {cores} available cores: make each sample cheaper "
-                "(pre-process or cache offline, lighter transforms, faster decoding)."
-            )
+    n_workers = workers if isinstance(workers, int) else None
+    known = n_workers is not None  # the loader was reachable (its settings read)
+    if n_workers is None:  # its settings are unknown: none of them is advised
+        advice.append(
+            "The DataLoader's settings (num_workers, pin_memory, prefetch_factor, persistent_workers) were "
+            "not readable in this run (pass the loader to g.iterate, or let the guard see it iterated), so "
+            "none is advised: make each sample cheaper, or load in parallel if the loader does not yet."
+        )
+    elif n_workers < max(1, (cores or 2) - 1):
+        target = max(1, (cores or 2) - 1)
+        available = (
+            f"{cores} cores are available to this process (os.cpu_count() = {s.cpu_count})"
+            if cores is not None
+            else "the cores this process may use are unknown"
+        )
+        advice.append(
+            f"Raise DataLoader num_workers from {workers} to about {target}: {available}; keep one for the "
+            "training loop" + (" and divide them among the ranks of this node." if s.world_size > 1 else ".")
+        )
     else:
         advice.append(
-            f"Set DataLoader num_workers (about {max(1, (cores or 2) - 1)} here) to load in parallel."
+            f"num_workers={workers} already uses the {cores or ''} available cores: make each sample cheaper "
+            "(pre-process or cache offline, lighter transforms, faster decoding)."
         )
-    if s.device_kind == "cuda" and not info.get("pin_memory", False):
+    if known and s.device_kind == "cuda" and not info.get("pin_memory", False):
         advice.append(
             "Set pin_memory=True so host-to-device copies are asynchronous (with non_blocking=True)."
         )
-    if isinstance(workers, int) and workers > 0:
+    if n_workers is not None and n_workers > 0:
         if not info.get("persistent_workers", False):
             advice.append("Set persistent_workers=True so workers are not restarted every epoch.")
         prefetch = info.get("prefetch_factor") or 2
@@ -118,7 +125,7 @@ def rule_input_bound(s: RunStats) -> Finding | None:
             f"Raise prefetch_factor from {prefetch} to {max(4, 2 * prefetch)} (batches queued per worker) "
             "to absorb slow batches."
         )
-    else:
+    elif known:
         advice.append(
             "With workers, also set persistent_workers=True (no restart every epoch) and prefetch_factor=4 "
             "(batches queued per worker)."
