@@ -213,6 +213,7 @@ class RunMonitor(MonitorOutputs):
         self._intervals: list[tuple[float, ...]] = []
         self._started = self._closed = self._broken = False
         self._notes: list[str] = []
+        self._own_s = 0.0  # the monitor's own work inside the loop (log boundaries, memory reads, profiler)
         self.close_s: float | None = None  # how long close() took, once closed
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -255,7 +256,8 @@ class RunMonitor(MonitorOutputs):
         if self.device.type == "cuda":  # every visible GPU; under DDP each rank samples its own
             own = self.device.index or 0
             gpus = (own,) if self.world_size > 1 else tuple(range(max(own + 1, _visible_gpu_count())))
-        self._sampler = Sampler(self.interval_s, gpus)
+        # without GPUs to read, no thread: host gauges are read at log boundaries (see Sampler)
+        self._sampler = Sampler(self.interval_s, gpus, threaded=bool(gpus))
         self._guard("sampler", self._sampler.start, off="_sampler")
         if self.profile_window is not None:
             trace_dir = self._files_dir / "profiler" if self.rank == 0 and self._files_dir else None
@@ -372,7 +374,9 @@ class RunMonitor(MonitorOutputs):
                     self._warn_sampler()
                 own_work = True
             if own_work:  # on most steps nothing: no second clock read
-                now = _clock()
+                later = _clock()
+                self._own_s += later - now  # the monitor's cost, stated in the report
+                now = later
                 timer.resume(now)  # profiling and logging are the monitor's time, not a data wait
                 if phases is not None:
                     phases.skip(now)

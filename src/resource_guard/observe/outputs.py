@@ -109,6 +109,7 @@ class MonitorOutputs:
     _own_first: tuple[int, float, float] | None = None
     _own_body: tuple[int, float, float] = (0, 0.0, 0.0)
     _ranks: tuple[dict[str, Any], ...] = ()  # every rank's figures, gathered at close under DDP
+    _own_s: float = 0.0  # the monitor's own work inside the loop (set by the monitor)
 
     @property
     def _files_dir(self) -> Path | None:  # the monitor's: where report and OOM files go
@@ -141,7 +142,10 @@ class MonitorOutputs:
         else:
             steps, wall, waited = self._own_body
             self._own_body = (steps + iv.steps, wall + iv.wall_s, waited + iv.data_wait_s)
-        gauges = self._sampler.drain() if self._sampler is not None else {}
+        gauges = {}
+        if self._sampler is not None:
+            self._sampler.maybe_sample(force=self._closed)  # without a thread: read here, on this thread
+            gauges = self._sampler.drain()
         device_compute_s = None
         if self._events:
             self._events[-1][1].synchronize()  # the only device sync: at a log boundary
@@ -248,12 +252,44 @@ class MonitorOutputs:
         if self.optimizers:  # the front door's optimizers: which step implementation runs
             facts = self._guard("optimizer facts", self._optimizer_facts, stats)
             stats = dataclasses.replace(stats, optimizers=facts or ())
+        cost = self._guard("monitoring cost", self._cost_note, stats)
+        if cost:
+            self._notes.append(cost)
         threads = self._guard("thread figures", self._thread_figures, stats.profile)
         compiled = self._guard("compile figures", self._compile_figures)
         stats = dataclasses.replace(stats, threads=threads, compile=compiled, notes=tuple(self._notes))
         if self.shape_stats is None:  # the front doors' shape guard, when on
             return stats
         return dataclasses.replace(stats, shapes=self._guard("shape stats", self.shape_stats))
+
+    def _cost_note(self, stats: RunStats) -> str | None:
+        """What watching cost this run, as the monitor measured it: its own work inside the loop (log
+        boundaries, memory reads, the profiler's steps), the profiler window's traced steps beyond an
+        untraced step (paid once), and the sampler's readings."""
+        loop_s, step_s = stats.duration_s, stats.step_time_s
+        if not loop_s or loop_s <= 0:
+            return None
+        own_s = self._own_s
+        window_s = 0.0
+        if self._traced_steps and step_s:
+            window_s = max(0.0, self._traced_s - self._traced_steps * step_s)
+        sampler = self._sampler
+        parts = [f"log boundaries, memory reads and profiler steps {own_s * 1e3:.1f} ms"]
+        if window_s:
+            parts.append(
+                f"the profiler window's {self._traced_steps} traced step(s) +{window_s * 1e3:.1f} ms over "
+                "untraced steps (once per run)"
+            )
+        if sampler is not None and sampler.threaded:
+            parts.append(f"the sampler thread's readings {sampler.busy_s * 1e3:.1f} ms (on its own thread)")
+        elif sampler is not None:
+            parts.append(f"host readings at log boundaries {sampler.busy_s * 1e3:.1f} ms (included)")
+        total = own_s + window_s
+        return (
+            f"monitoring cost, measured in this run: {total * 1e3:.1f} ms in the loop, "
+            f"{total / loop_s:.2%} of its {loop_s:.2f} s: " + "; ".join(parts) + ". The per-step calls "
+            "(a few us) are not timed, and set-up and close are outside the loop"
+        )
 
     def _optimizer_facts(self, stats: RunStats) -> tuple[dict[str, Any], ...]:
         """Each optimizer's step implementation; for a for-loop over many tensors in a run whose

@@ -8,6 +8,13 @@ queued; the owner (:class:`~resource_guard.RunMonitor`) turns queued messages in
 or, under ``-W error``, kill it). Readings are averaged (and their maximum kept) between two
 :meth:`Sampler.drain` calls.
 
+Without GPUs to read (``threaded=False``, what the monitor asks on a CPU run) there is no thread: a
+thread waking beside an OpenMP team that fills every core takes a core from it, and the whole team
+waits at its next barrier. The owner calls :meth:`Sampler.maybe_sample` at its log boundaries, from the
+training thread, which reads at most once per ``interval_s``; the process CPU% of such a reading is
+the mean since the previous one (psutil's ``cpu_percent(None)``), so nothing is lost by reading rarely.
+:attr:`Sampler.busy_s` is the time spent reading, the sampler's own cost (stated in the report).
+
 Example:
     >>> s = Sampler(interval_s=0.01)
     >>> s.sample_once()
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -84,7 +92,9 @@ class Sampler:
     ``host/system_cpu_percent``, ``host/available_ram_bytes`` and ``gpu{i}/<field>``.
     """
 
-    def __init__(self, interval_s: float = 1.0, gpu_indices: Sequence[int] = ()) -> None:
+    def __init__(
+        self, interval_s: float = 1.0, gpu_indices: Sequence[int] = (), *, threaded: bool = True
+    ) -> None:
         if not (isinstance(interval_s, (int, float)) and 0 < interval_s < float("inf")):
             raise ConfigurationError(f"`Sampler(interval_s={interval_s!r})` must be a number of seconds > 0")
         self.interval_s = float(interval_s)
@@ -97,9 +107,19 @@ class Sampler:
         self._messages: list[str] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.threaded = bool(threaded)
+        self.busy_s = 0.0  # seconds spent reading (both modes)
+        self._last_read: float | None = None  # time.monotonic() of the last reading
 
     def start(self) -> None:
-        """Start the thread (idempotent). NVML is opened lazily by the thread's first sample."""
+        """Start the thread (idempotent). NVML is opened lazily by the thread's first sample. Without a
+        thread (``threaded=False``): one reading now, which starts psutil's CPU measurement."""
+        if not self.threaded:
+            if self._last_read is None:
+                self.sample_once()
+                with self._lock:
+                    self._stats.clear()  # the priming reading's CPU% covers no time
+            return
         if self._thread is not None:
             return
         self._stop.clear()
@@ -120,8 +140,21 @@ class Sampler:
         while not self._stop.wait(self.interval_s):
             self.sample_once()
 
+    def maybe_sample(self, *, force: bool = False) -> bool:
+        """Without a thread: one reading if ``interval_s`` has passed since the last (or ``force``).
+        With a thread, nothing (the thread reads). Returns whether it read. Never raises."""
+        if self.threaded:
+            return False
+        last = self._last_read
+        if not force and last is not None and time.monotonic() - last < self.interval_s:
+            return False
+        self.sample_once()
+        return True
+
     def sample_once(self) -> None:
         """Take one reading of every enabled part (what the thread does each interval). Never raises."""
+        begun = time.perf_counter()
+        self._last_read = time.monotonic()
         values: dict[str, float] = {}
         if self._host_ok:
             try:
@@ -143,6 +176,7 @@ class Sampler:
         with self._lock:
             for key, value in values.items():
                 self._stats.setdefault(key, _Stats()).add(value)
+            self.busy_s += time.perf_counter() - begun
 
     def _host(self) -> dict[str, float]:
         if self._process is None:
