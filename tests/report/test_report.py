@@ -293,3 +293,19 @@ def test_cuda_allocator_peak_is_set_beside_the_estimate_of_the_same_quantity() -
     assert rows["measured vs estimate"] == "+20.0%"
     drift = analyze(stats).finding("estimate-drift")
     assert drift is not None and drift.evidence["error"] == 0.2
+
+
+def test_healthy_advice_agrees_with_the_plan_s_micro_batch() -> None:
+    """Issue #37: a healthy run was told "scale the batch" right after the plan capped the micro-batch
+    at the largest that fits. A larger micro-batch is advised only from a plan row that fits."""
+    chosen = {"config": "16×2 32-true", "precision": "32-true", "micro_batch_size": 16, "fits": True,
+              "chosen": True, "predicted_peak_bytes": 2**30}  # fmt: skip
+    larger = {**chosen, "config": "32×1 32-true", "micro_batch_size": 32, "chosen": False}
+    capped = analyze(RunStats(steps=10, step_time_s=0.1, plan_rows=(chosen, {**larger, "fits": False})))
+    text = capped.findings[0].advice[0]
+    assert capped.verdict == "healthy" and "largest that fits" in text and "'16×2 32-true'" in text
+    assert "larger micro-batch" not in text
+    roomy = analyze(RunStats(steps=10, step_time_s=0.1, plan_rows=(chosen, larger))).findings[0].advice[0]
+    assert "a larger micro-batch (the plan's row '32×1 32-true'" in roomy
+    unplanned = analyze(RunStats(steps=10, step_time_s=0.1)).findings[0].advice[0]
+    assert "Scale the batch" not in unplanned and "plan a larger batch before" in unplanned

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from resource_guard.report.markdown import render_markdown
+from resource_guard.report.plan_advice import chosen_row, larger_micro_batch_fits, quote
 from resource_guard.report.rules import CRITICAL_DATA_WAIT_SHARE as CRITICAL_DATA_WAIT_SHARE
 from resource_guard.report.rules import ESTIMATE_DRIFT_FRACTION as ESTIMATE_DRIFT_FRACTION
 from resource_guard.report.rules import H2D_SHARE as H2D_SHARE
@@ -68,15 +69,29 @@ def _healthy(s: RunStats) -> Finding:
         "mfu": s.mfu,
     }
     mfu = f", MFU {s.mfu:.0%}" if s.mfu is not None else ""
-    advice = (
-        "No bottleneck found: the step is compute-bound. Scale the batch or the device for more speed.",
-    )
+    advice = (_healthy_advice(s.plan_rows),)
     title = f"Compute-bound (healthy){mfu}"
     if s.phases and s.step_time_s:  # why: the step is its own compute, nothing else costs 10%
         compute = sum(float(s.phases.get(p) or 0.0) for p in ("forward", "backward", "optimizer"))
         evidence["compute_share"] = round(compute / s.step_time_s, 4)
         title += f": forward, backward and the optimizer are {compute / s.step_time_s:.0%} of the step"
     return Finding("healthy", "info", title, evidence, advice)
+
+
+def _healthy_advice(rows: Any) -> str:
+    """More speed for a compute-bound step, as the plan allows: a larger micro-batch only where the
+    plan's table has one that fits (quoted), never past the micro-batch the plan capped."""
+    head = "No bottleneck found: the step is compute-bound."
+    larger = larger_micro_batch_fits(rows)
+    if larger is not None:
+        return f"{head} For more speed: a larger micro-batch ({quote(larger)}), or a faster device."
+    chosen = chosen_row(rows)
+    if chosen is not None:
+        return (
+            f"{head} The plan's micro-batch is the largest that fits ({quote(chosen)}): for more speed, "
+            "a faster device or more of them."
+        )
+    return f"{head} For more speed, a faster device or more of them (plan a larger batch before using one)."
 
 
 def analyze(stats: RunStats, rules: tuple[Callable[[RunStats], Finding | None], ...] = RULES) -> Report:
