@@ -16,14 +16,13 @@ Example:
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from resource_guard.errors import ResourceGuardWarning
+from resource_guard.errors import warn_at_user
 from resource_guard.step.training import LossFn, batch_size_of, call_loss_fn, iter_tensors
 
 __all__ = [
@@ -231,12 +230,19 @@ def _RowGather() -> Any:  # noqa: N802 - built lazily: importing torchmetrics co
 _ROW_GATHER: type | None = None
 
 
-def count_flops(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None) -> float | None:
+def count_flops(
+    model: torch.nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    remedy: str | None = "MFU will not be reported unless flops_per_step is given.",
+) -> float | None:
     """FLOPs of one training step (forward + backward) counted on fake tensors, at no real cost.
 
     Uses ``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convolutions, attention) over a copy
     of the model whose parameters are fake tensors; the model, batch and RNG are untouched. Returns
-    ``None`` with a ``ResourceGuardWarning`` when the step cannot be run on fake tensors.
+    ``None`` with a ``ResourceGuardWarning`` at the user's line when the step cannot be run on fake
+    tensors; ``remedy`` ends it (a door that takes no ``flops_per_step`` passes its own, or ``None``).
 
     Example:
         >>> count_flops(torch.nn.Linear(4, 2), torch.randn(8, 4), lambda m, b: m(b).sum())
@@ -257,10 +263,8 @@ def count_flops(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = Non
                     loss.backward()
         return float(counter.get_total_flops())
     except Exception as exc:
-        warnings.warn(
-            f"count_flops: the step could not be run on fake tensors ({type(exc).__name__}: {exc}); "
-            "MFU will not be reported unless flops_per_step is given.",
-            ResourceGuardWarning,
-            stacklevel=2,
+        end = f"; {remedy}" if remedy else "; MFU will not be reported."
+        warn_at_user(
+            f"count_flops: the step could not be run on fake tensors ({type(exc).__name__}: {exc}){end}"
         )
         return None
