@@ -1,5 +1,18 @@
 """What always-on monitoring costs per training step, measured as a user feels it.
 
+**Default (issue #42): whole runs, measured from outside** (:mod:`overhead_runs`): each run in a fresh
+process, no tool vs each door with its defaults (``guard`` with ``g.iterate``, the unchanged loop inside
+``guard``, ``guard(monitor=False)``, ``ResourceGuard()`` under Lightning; TraceML where importable), on
+a small CPU step and a larger one (MLP 1024 x 6) with torch's threads filling the cores, and a Lightning
+run; repetitions interleaved in a rotating order; per variant the median over repetitions of its run's
+median step (and of its whole loop's wall time, profiler window and log boundaries included) against
+the bare run of the same repetition, with the range. ``--threads N`` sets torch's intra-op threads
+(default: every core). ``--hooks`` instead times the unchanged-loop door's per-parameter
+post-accumulate-grad hooks (``frontdoors/guard/observed.py``) on a model of a few hundred tensors.
+
+Run:  python benchmarks/monitor_overhead.py [--reps 5] [--loops small,large,lightning] [--json PATH]
+
+**``--in-process``** (issues #22, #29): the earlier comparison inside one process:
 Two loops train the same small MLP on this CPU (256 -> 768 -> 256 -> 10, batch 64, SGD, batches held
 in memory so nothing waits for data; one torch thread, about 3 ms a step):
 
@@ -24,7 +37,7 @@ with 3 ms of GIL-free time per step as a training step leaves TensorBoard's back
 which is the floor the loop figures cannot show on a noisy machine. Target (issues #22, #29):
 monitoring <= 0.2% of the step.
 
-Run:  python benchmarks/monitor_overhead.py [--rounds 15] [--steps 300] [--json PATH] 2>/dev/null
+Run:  python benchmarks/monitor_overhead.py --in-process [--rounds 15] [--steps 300] [--json PATH] 2>/dev/null
 
 ``--close`` instead prints what closing the monitor costs at the end of a run, door by door (issue #40:
 under a second for a small run): ``guard`` on the demo (``resource-guard demo``'s TinyGPT, 12 steps), the
@@ -467,6 +480,75 @@ def _print(title: str, rows: dict[str, dict[str, float]], base: str) -> None:
         print(line)
 
 
+def whole_runs(args: argparse.Namespace) -> dict[str, Any]:
+    """The default: whole runs in fresh processes (:mod:`overhead_runs`), printed as a table."""
+    import overhead_runs
+
+    if args.threads is not None:
+        os.environ["RG_BENCH_THREADS"] = str(args.threads)
+    loops = [name.strip() for name in args.loops.split(",") if name.strip()]
+    unknown = set(loops) - set(overhead_runs.LOOPS)
+    if unknown:
+        raise SystemExit(f"--loops: unknown {sorted(unknown)}; choose from {sorted(overhead_runs.LOOPS)}")
+    steps = {"small": args.steps, "lightning": args.steps, "large": max(60, args.steps // 4)}
+    load = os.getloadavg()[0]
+    results = overhead_runs.compare(loops, args.reps, steps, args.warmup)
+    overhead_runs.print_table(results, steps, args.reps, load)
+    return {"steps": steps, "reps": args.reps, "load_before": load, "loops": results}
+
+
+def hook_cost(tensors: int = 300, calls: int = 200) -> dict[str, float]:
+    """What a post-accumulate-grad hook on every trainable tensor costs a backward, like the one
+    ``frontdoors/guard/observed.py`` installs (a callable object whose function reads the clock and sets
+    two attributes): µs per backward on a model of ``tensors`` parameter tensors, 1 torch thread, the
+    training thread's CPU time, median over alternating blocks with and without the hooks."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(tensors // 2)))
+    x = torch.randn(8, 16)
+
+    class Watch:
+        _inside = False
+        _last = 0.0
+        pending = False
+
+        def grad_accumulated(self, param: torch.Tensor) -> None:
+            if not self._inside:
+                self._last = time.perf_counter()
+                self.pending = True
+
+    class Hook:
+        def __init__(self, fn: Any) -> None:
+            self.fn = fn
+
+        def __call__(self, *args: Any) -> Any:
+            return self.fn(*args)
+
+    def block(n: int) -> float:
+        begun = time.thread_time()
+        for _ in range(n):
+            model(x).sum().backward()
+        return (time.thread_time() - begun) / n
+
+    block(20)
+    off: list[float] = []
+    on: list[float] = []
+    hook = Hook(Watch().grad_accumulated)
+    for _ in range(calls // 20):
+        off.append(block(20))
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in model.parameters()]
+        on.append(block(20))
+        for handle in handles:
+            handle.remove()
+    base, extra = statistics.median(off), statistics.median(a - b for a, b in zip(on, off))
+    print(
+        f"post-accumulate-grad hooks on {tensors} tensors: +{extra * 1e6:.0f} us per backward "
+        f"({extra / tensors * 1e6:.2f} us per tensor) on a {base * 1e3:.2f} ms forward + backward "
+        f"(+{extra / base:.1%}); training thread's CPU time, median of {len(on)} block pairs"
+    )
+    return {"tensors": tensors, "us_per_backward": extra * 1e6, "base_ms": base * 1e3, "share": extra / base}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -475,11 +557,28 @@ def main() -> None:
     parser.add_argument("--only", choices=("lightning", "plain"), default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--close", action="store_true", help="instead: each door's close time")
+    parser.add_argument("--in-process", action="store_true", help="instead: the in-process comparison")
+    parser.add_argument("--hooks", action="store_true", help="instead: the unchanged loop's grad hooks")
+    parser.add_argument("--reps", type=int, default=5, help="whole runs: repetitions (default 5)")
+    parser.add_argument(
+        "--loops", default="small,large,lightning", help="whole runs: loops (small, large, lightning)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="whole runs: torch threads (all cores)")
     parser.add_argument(
         "--in-run", type=int, default=0, metavar="STEPS",
         help="instead: the monitor's cost inside one guard run of STEPS steps, by part (blocks of 25)",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.hooks:
+        results = hook_cost()
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
+    if not (args.close or args.in_process or args.in_run):
+        results = whole_runs(args)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     for name in ("lightning.pytorch", "lightning.pytorch.utilities.rank_zero", "lightning.fabric"):
