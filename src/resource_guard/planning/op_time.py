@@ -73,6 +73,9 @@ _COPY_NAMES = frozenset(
 _TRANSCENDENTAL = (
     "softmax", "gelu", "exp", "tanh", "sigmoid", "erf", "silu", "layer_norm", "pow",
 )  # fmt: skip
+# operators far slower than their bytes say (random numbers; bfloat16 max-pooling and gelu's backward),
+# timed by elements
+_NAMED_RATES = ("bernoulli_", "max_pool2d_with_indices", "gelu_backward")
 _NO_WORK = frozenset(
     {"detach", "alias", "_unsafe_view", "empty", "empty_like", "empty_strided", "lift_fresh", "sym_size"}
 )
@@ -210,13 +213,17 @@ def classify_op(func: Any, args: tuple, kwargs: dict, out: Any) -> OpWork:
     flops = _registry_flops(func, args, kwargs, out)
     if flops is not None:
         if "conv" in name:
-            return work("conv", flops, moved)
+            return work("conv", flops, moved, "backward" if "backward" in name else "forward")
         return work("matmul", flops, moved, _matmul_layout(name, args))
+    if name in _NAMED_RATES:  # slow beyond their bytes on a CPU: timed by their own calibrated rate
+        return work("elementwise", float(max((t.numel() for t in (*ins, *outs)), default=0)), moved, "named")
     if any(t in name for t in _TRANSCENDENTAL):
         return work("transcendental", float(max((t.numel() for t in ins), default=0)), moved)
     if name in _COPY_NAMES:
         kinds = {t.dtype for t in (*ins, *outs) if t.is_floating_point()}
         return work("copy", 0.0, moved, "cast" if len(kinds) > 1 else "")
+    if len({t.dtype for t in ins if t.is_floating_point() and t.dim() > 0}) > 1:  # fp32 + bf16
+        return work("elementwise", float(max(t.numel() for t in ins)), moved, "mixed")
     return work("elementwise", 0.0, moved)
 
 
@@ -288,7 +295,8 @@ class CpuCalibration:
             data that is in the cache (a forward's freshly made activations), smallest first.
         cold_bytes_per_s: per dtype name, bytes/s of an in-place pass over data that is not in the cache
             (the optimizer's states, touched once a step).
-        cast_bytes_per_s: bytes/s of a float32 <-> bfloat16 conversion (autocast's casts).
+        cast_bytes_per_s: ``(bytes moved, bytes/s)`` points of float32 <-> bfloat16 conversions (autocast's
+            casts), smallest first.
         op_overhead_s: host time per traced operator of a real training micro-step beyond its kernel
             (dispatch, autograd's graph and engine, the module calls and Python between operators),
             measured on a small model whose kernels are negligible.
@@ -298,8 +306,12 @@ class CpuCalibration:
         view_overhead_s: host time of one bare view (no kernel, no autograd).
         rnn_step_s: per dtype name, the fixed time of one time step of a fused recurrent layer
             (``mkldnn_rnn_layer``, forward or backward) beyond its matmuls' FLOPs.
+        conv_flops_per_s: FLOP/s of a 3×3 convolution per dtype name (forward) and ``"…/backward"``.
+        named_per_s: elements/s of operators slower than their bytes, keyed ``"bernoulli_/torch.float32"``
+            (dropout's random numbers; ``max_pool2d_with_indices``: bfloat16 pooling is not vectorised).
         attention_flops_per_s: FLOP/s of the CPU's fused causal attention per dtype name
-            (``"torch.float32"``: forward) and ``"torch.float32/backward"`` (far below a plain matmul's).
+            (``"torch.float32"``: forward) and ``"torch.float32/backward"`` (far below a plain matmul's),
+            measured at a small model's size (4 heads × 128 positions × 32).
         transcendental_per_s: per dtype name, ``(elements, elements/s)`` points of ``log_softmax``
             forward and backward (exp, log: bound by arithmetic as much as by memory).
         threads: ``torch.get_num_threads()`` when measured.
@@ -313,10 +325,12 @@ class CpuCalibration:
     attention_flops_per_s: Mapping[str, float] = field(default_factory=dict)
     transcendental_per_s: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     cold_bytes_per_s: Mapping[str, float] = field(default_factory=dict)
-    cast_bytes_per_s: float = 0.0
+    cast_bytes_per_s: tuple[tuple[float, float], ...] = ()
     micro_step_overhead_s: float = 0.0
     optimizer_op_overhead_s: float = 0.0
     rnn_step_s: Mapping[str, float] = field(default_factory=dict)
+    conv_flops_per_s: Mapping[str, float] = field(default_factory=dict)
+    named_per_s: Mapping[str, float] = field(default_factory=dict)
     threads: int = 1
     calibration_s: float = 0.0
 
@@ -366,7 +380,7 @@ def _median_s(fn: Callable[[], Any], timer: Callable[[], float], reps: int, roun
 
 
 def _attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool) -> None:
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     if backward:
         out.sum().backward()
 
@@ -411,7 +425,7 @@ def _measure_matmuls(timer: Callable[[], float]) -> dict[str, tuple[tuple[float,
 
 def _measure_passes(
     timer: Callable[[], float],
-) -> tuple[dict[str, tuple[tuple[float, float], ...]], dict[str, float], float]:
+) -> tuple[dict[str, tuple[tuple[float, float], ...]], dict[str, float], tuple[tuple[float, float], ...]]:
     """Elementwise passes in cache (a few sizes) and out of it, per dtype; casts float32 <-> bfloat16."""
     hot: dict[str, tuple[tuple[float, float], ...]] = {}
     cold: dict[str, float] = {}
@@ -427,13 +441,14 @@ def _measure_passes(
             pool = [torch.ones(_COLD_NUMEL, dtype=dtype) for _ in range(_COLD_TENSORS)]
             moved = 2.0 * _COLD_NUMEL * _COLD_TENSORS * pool[0].element_size()
             cold[str(dtype)] = moved / _median_s(functools.partial(_scale_all, pool), timer, 1)
-        # weights of a few hundred KiB each, as autocast casts them
-        wide = [torch.ones(_COLD_NUMEL // 4) for _ in range(4 * _COLD_TENSORS)]
-        narrow = [t.bfloat16() for t in wide]
-        moved = 6.0 * _COLD_NUMEL * _COLD_TENSORS  # 4 bytes read, 2 written (and back)
-        there = _median_s(lambda: [t.to(torch.bfloat16) for t in wide], timer, 1)
-        back = _median_s(lambda: [t.float() for t in narrow], timer, 1)
-    return hot, cold, 2.0 * moved / (there + back)
+        casts = []
+        for numel in _COPY_NUMELS:  # there and back, as autocast casts weights and gradients
+            wide = torch.ones(numel)
+            narrow = wide.bfloat16()
+            there = _median_s(functools.partial(wide.to, torch.bfloat16), timer, 2 if numel > 2**20 else 8)
+            back = _median_s(narrow.float, timer, 2 if numel > 2**20 else 8)
+            casts.append((6.0 * numel, 12.0 * numel / (there + back)))
+    return hot, cold, tuple(casts)
 
 
 def _measure_rnn(
@@ -451,6 +466,42 @@ def _measure_rnn(
         rate = _interpolate(matmul.get(str(dtype)) or matmul["torch.float32"], flops / 3 / steps)
         out[str(dtype)] = max(seconds - flops / rate, 0.0) / (2 * steps)
     return out
+
+
+def _conv_step(conv: nn.Module, x: torch.Tensor, backward: bool) -> None:
+    out = conv(x)
+    if backward:
+        out.sum().backward()
+
+
+def _measure_conv_and_named(timer: Callable[[], float]) -> tuple[dict[str, float], dict[str, float]]:
+    """A 3×3 convolution forward and backward per dtype; dropout's ``bernoulli_`` and max-pooling."""
+    conv_rates: dict[str, float] = {}
+    named: dict[str, float] = {}
+    for dtype in _CALIBRATED_DTYPES:
+        torch.manual_seed(0)
+        conv = nn.Conv2d(32, 64, 3, padding=1).to(dtype)
+        x = torch.randn(4, 32, 16, 16, dtype=dtype, requires_grad=True)
+        flops = 2.0 * 4 * 64 * 16 * 16 * 32 * 9
+        with torch.no_grad():
+            forward = _median_s(functools.partial(_conv_step, conv, x, False), timer, 2)
+        both = _median_s(functools.partial(_conv_step, conv, x, True), timer, 2)
+        conv_rates[str(dtype)] = flops / forward
+        conv_rates[f"{dtype}/backward"] = 2.0 * flops / max(both - forward, forward)
+        with torch.no_grad():
+            y = torch.empty(2**18, dtype=dtype)
+            named[f"bernoulli_/{dtype}"] = y.numel() / _median_s(
+                functools.partial(y.bernoulli_, 0.9), timer, 2
+            )
+            img = torch.randn(8, 32, 32, 32, dtype=dtype)
+            pool = functools.partial(torch.nn.functional.max_pool2d, img, 2, return_indices=True)
+            named[f"max_pool2d_with_indices/{dtype}"] = img.numel() / _median_s(pool, timer, 2)
+            a, b = torch.ones(2**16, 64), torch.ones(2**16, 64, dtype=torch.bfloat16)
+            named[f"mixed/{dtype}"] = a.numel() / _median_s(functools.partial(torch.add, a, b), timer, 2)
+            g, x = torch.randn(2**16, 64, dtype=dtype), torch.randn(2**16, 64, dtype=dtype)
+            gelu = functools.partial(torch.ops.aten.gelu_backward.default, g, x)
+            named[f"gelu_backward/{dtype}"] = x.numel() / _median_s(gelu, timer, 2)
+    return conv_rates, named
 
 
 def _tiny_model(blocks: int) -> nn.Module:
@@ -519,8 +570,9 @@ def measure_cpu(timer: Callable[[], float] = time.perf_counter) -> CpuCalibratio
     attention: dict[str, float] = {}
     transcendental: dict[str, tuple[tuple[float, float], ...]] = {}
     for dtype in _CALIBRATED_DTYPES:
-        q, k, v = (torch.ones(2, 4, 256, 64, dtype=dtype, requires_grad=True) for _ in range(3))
-        flops = 0.5 * 2.0 * 2 * 4 * 256 * 256 * (64 + 64)  # forward, causal
+        # a small model's heads: 4 × 128 positions × 32, not causal
+        q, k, v = (torch.randn(4, 4, 128, 32, dtype=dtype, requires_grad=True) for _ in range(3))
+        flops = 2.0 * 4 * 4 * 128 * 128 * (32 + 32)  # forward
         with torch.no_grad():
             forward = _median_s(functools.partial(_attention_step, q, k, v, False), timer, 2)
         both = _median_s(functools.partial(_attention_step, q, k, v, True), timer, 2)
@@ -534,6 +586,7 @@ def measure_cpu(timer: Callable[[], float] = time.perf_counter) -> CpuCalibratio
             )
         transcendental[str(dtype)] = tuple(points)
     rnn = _measure_rnn(timer, matmul)
+    conv, named = _measure_conv_and_named(timer)
     with torch.no_grad():
         tiny = torch.ones(4)
         dispatch = _median_s(lambda: torch.add(tiny, tiny), timer, 200)
@@ -548,6 +601,8 @@ def measure_cpu(timer: Callable[[], float] = time.perf_counter) -> CpuCalibratio
         cold_bytes_per_s=cold,
         cast_bytes_per_s=cast,
         rnn_step_s=rnn,
+        conv_flops_per_s=conv,
+        named_per_s=named,
         threads=torch.get_num_threads(),
     )
     per_op, fixed, per_opt_op = _measure_step_overheads(timer, kernels_only)
@@ -635,7 +690,7 @@ def _kernel_seconds(w: OpWork, cal: CpuCalibration) -> float:
     if w.op_class == "view":
         return 0.0
     if w.variant == "cast" and cal.cast_bytes_per_s:
-        memory = w.bytes / cal.cast_bytes_per_s
+        memory = w.bytes / _interpolate(cal.cast_bytes_per_s, w.bytes) if w.bytes else 0.0
     elif w.phase == "optimizer":  # the states were last touched a step ago: not in the cache
         memory = w.bytes / cal.cold_bandwidth(w.dtype, w.bytes) if w.bytes else 0.0
     else:
@@ -651,6 +706,15 @@ def _kernel_seconds(w: OpWork, cal: CpuCalibration) -> float:
     if w.op_class == "transcendental" and cal.transcendental_per_s:
         points = cal.transcendental_per_s.get(str(w.dtype)) or cal.transcendental_per_s["torch.float32"]
         return max(w.flops / _interpolate(points, w.flops or 1.0), memory)
+    if w.variant in ("named", "mixed") and w.flops:
+        name = "mixed" if w.variant == "mixed" else w.name
+        rate = cal.named_per_s.get(f"{name}/{w.dtype}") or cal.named_per_s.get(f"{name}/torch.float32")
+        return max(w.flops / rate, memory) if rate else memory
+    if w.op_class == "conv" and w.flops and cal.conv_flops_per_s:
+        key = f"{w.dtype}/backward" if w.variant == "backward" else str(w.dtype)
+        fallback = "torch.float32/backward" if w.variant == "backward" else "torch.float32"
+        rate = cal.conv_flops_per_s.get(key) or cal.conv_flops_per_s[fallback]
+        return max(w.flops / rate, memory)
     if w.variant == "rnn":  # one small matmul per time step, each paying a fixed cost
         per_step = cal.rnn_step_s.get(str(w.dtype)) or cal.rnn_step_s.get("torch.float32", 0.0)
         return w.flops / cal.matmul_rate(w.dtype, w.flops / w.steps) + w.steps * per_step
