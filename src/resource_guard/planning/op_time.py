@@ -708,8 +708,8 @@ def _kernel_seconds(w: OpWork, cal: CpuCalibration) -> float:
         return max(w.flops / _interpolate(points, w.flops or 1.0), memory)
     if w.variant in ("named", "mixed") and w.flops:
         name = "mixed" if w.variant == "mixed" else w.name
-        rate = cal.named_per_s.get(f"{name}/{w.dtype}") or cal.named_per_s.get(f"{name}/torch.float32")
-        return max(w.flops / rate, memory) if rate else memory
+        named = cal.named_per_s.get(f"{name}/{w.dtype}") or cal.named_per_s.get(f"{name}/torch.float32")
+        return max(w.flops / named, memory) if named else memory
     if w.op_class == "conv" and w.flops and cal.conv_flops_per_s:
         key = f"{w.dtype}/backward" if w.variant == "backward" else str(w.dtype)
         fallback = "torch.float32/backward" if w.variant == "backward" else "torch.float32"
