@@ -158,3 +158,19 @@ def test_a_loop_beside_busy_processes_names_contention_first_and_alone_sees_less
     found = alone.finding("cpu-contention") is not None
     quiet = node_a["contention_share"] < CPU_CONTENTION_SHARE or node_a["other_cores"] < 0.25
     assert found != quiet, node_a
+
+
+def test_the_training_thread_s_run_queue_wait_is_the_cost_and_only_others_count() -> None:
+    """Linux's schedstat: the time the training thread was runnable but waited for a core. Beside two
+    spinners on 2 cores a one-thread loop waits a third of the time; its own 16 threads on 2 cores make
+    it wait too, but that is the threads finding's cause, not other processes'."""
+    start = CpuTimes(0.0, 0.0, 0.0, 0.0, 2, None, 0.0, 0.0, 7)
+    beside = CpuTimes(10.0, 20.0, 0.0, 6.7, 2, None, 6.7, 3.3, 7)  # spinners took 13.3 s of the 20
+    use = node_cpu_use(start, beside, threads=1, cores=2)
+    assert use is not None and use["run_queue_share"] == pytest.approx(0.33)
+    assert use["contention_share"] == pytest.approx(0.33) and use["other_cores"] == pytest.approx(1.33)
+    own = CpuTimes(10.0, 20.0, 0.0, 20.0, 2, None, 5.0, 5.0, 7)  # 16 threads of its own, nothing else
+    mine = node_cpu_use(start, own, threads=16, cores=2)
+    assert mine is not None and mine["run_queue_share"] == 0.5 and mine["contention_share"] == 0.0
+    t = read_cpu_times()
+    assert t is not None and t.thread_id is not None  # the calling thread, read again at the end

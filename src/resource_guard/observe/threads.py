@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,9 @@ class CpuTimes:
         own_s: this process's CPU seconds with its children's (DataLoader workers, alive or joined).
         node_cores: logical cores of the node (``psutil.cpu_count()``).
         load_1m: the 1-minute load average (``None`` where not available).
+        thread_cpu_s / thread_wait_s: the reading thread's (the training loop's) time on a CPU and time
+            runnable but waiting for one (Linux ``schedstat``; ``None`` elsewhere).
+        thread_id: that thread's native id (the end of the run reads the same thread).
     """
 
     wall_s: float
@@ -63,11 +67,24 @@ class CpuTimes:
     own_s: float
     node_cores: int
     load_1m: float | None = None
+    thread_cpu_s: float | None = None
+    thread_wait_s: float | None = None
+    thread_id: int | None = None
 
 
-def read_cpu_times(psutil_module: Any = None) -> CpuTimes | None:
+def _schedstat(tid: int) -> tuple[float, float] | None:
+    """A thread's seconds on a CPU and waiting on a run queue (``/proc/self/task/<tid>/schedstat``)."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            on_cpu, waiting = f.read().split()[:2]
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+def read_cpu_times(psutil_module: Any = None, thread_id: int | None = None) -> CpuTimes | None:
     """The node's :class:`CpuTimes` now; ``None`` where psutil cannot read them (``psutil_module``: a
-    seam for tests)."""
+    seam for tests). ``thread_id``: whose run-queue times to read (default: the calling thread)."""
     try:
         import psutil
 
@@ -89,7 +106,12 @@ def read_cpu_times(psutil_module: Any = None) -> CpuTimes | None:
         except (AttributeError, OSError):
             load = None
         steal = float(getattr(t, "steal", 0.0) or 0.0)
-        return CpuTimes(time.monotonic(), busy, steal, own, int(ps.cpu_count() or 1), load)
+        tid = threading.get_native_id() if thread_id is None else thread_id
+        sched = _schedstat(tid) if psutil_module is None else getattr(psutil_module, "schedstat", None)
+        cpu_s, wait_s = sched if sched is not None else (None, None)
+        return CpuTimes(
+            time.monotonic(), busy, steal, own, int(ps.cpu_count() or 1), load, cpu_s, wait_s, tid
+        )
     except Exception:  # psutil missing a field or access denied: the node is simply not read
         return None
 
@@ -102,12 +124,14 @@ def node_cpu_use(
     process may use; the node's when ``None``).
 
     ``other_cores``: cores' worth of CPU that other processes (and the hypervisor's steal) kept busy on
-    average, scaled to the cores this process may use. When the run's own threads (at most the cores)
-    and that load together ask for more than the cores, the scheduler shares them out: the run gets
-    ``cores / (own + other)`` of what it asked for, and ``contention_share`` (``1 - that``) is the share
-    of its step the other processes cost. ``peers``: the run's other processes on this node (DDP ranks),
-    each taken to use what this one used: theirs is the run's CPU, not other work's. ``None`` for a span
-    too short to read (under 0.2 s).
+    average, scaled to the cores this process may use. ``contention_share``, the share of the run's
+    step the other processes cost: where Linux gives the training thread's run-queue time
+    (``schedstat``: runnable, waiting for a core), that wait over the wall time, the part of it the other
+    processes' load caused (``other / (other + this process's other threads' CPU)``); elsewhere a
+    fair-share model: when the run's own threads (at most the cores) and the other load ask for more
+    than the cores, the run gets ``cores / (own + other)`` of what it asked for. ``peers``: the run's
+    other processes on this node (DDP ranks), each taken to use what this one used: theirs is the run's
+    CPU, not other work's. ``None`` for a span too short to read (under 0.2 s).
 
     >>> a = CpuTimes(0.0, 0.0, 0.0, 0.0, 2)
     >>> use = node_cpu_use(a, CpuTimes(10.0, 30.0, 0.0, 20.0, 2), threads=2, cores=2)
@@ -124,7 +148,16 @@ def node_cpu_use(
     steal_s = max(0.0, end.steal_s - start.steal_s)
     other = (other_s + steal_s) / wall * usable / node  # the part of it on the cores the run may use
     own = min(max(1, threads), usable)
-    contention = max(0.0, 1.0 - usable / (own + other)) if own + other > usable else 0.0
+    waited = None
+    if None not in (start.thread_wait_s, end.thread_wait_s, start.thread_cpu_s, end.thread_cpu_s):
+        waited = max(0.0, (end.thread_wait_s or 0.0) - (start.thread_wait_s or 0.0)) / wall
+        main = max(0.0, (end.thread_cpu_s or 0.0) - (start.thread_cpu_s or 0.0)) / wall
+        siblings = max(0.0, own_s / wall - main)  # this process's other threads, competing too
+        contention = waited * other / (other + siblings) if other + siblings > 0 else 0.0
+    elif own + other > usable:
+        contention = max(0.0, 1.0 - usable / (own + other))
+    else:
+        contention = 0.0
     return {
         "wall_s": round(wall, 3),
         "other_cpu_s": round(other_s, 3),
@@ -134,7 +167,8 @@ def node_cpu_use(
         "cores": usable,
         "node_cores": node,
         "load_1m": end.load_1m,
-        "contention_share": round(contention, 4),
+        "run_queue_share": None if waited is None else round(waited, 4),
+        "contention_share": round(min(1.0, contention), 4),
     }
 
 
@@ -189,7 +223,7 @@ class ThreadDemand:
             "threads": self.threads,
             "fitting_threads": self.fitting_threads,
         }
-        end = read_cpu_times() if self.cpu_start is not None else None
+        end = read_cpu_times(thread_id=self.cpu_start.thread_id) if self.cpu_start is not None else None
         if self.cpu_start is not None and end is not None:
             # this process's own busy threads: its intra-op threads (workers are its children: own CPU)
             threads, peers = self.intra_op * self.processes, self.processes - 1
