@@ -4,7 +4,9 @@ run N identical times each (issue #37: three runs of the demo said casts 45.6%, 
 Per case it prints the first finding of every run, how many runs agree on the most common one, the
 first finding's stated share (its evidence key ending in ``share``): median, and the largest
 distance of a run's share from that median in points, the shares' stated spreads (``..._share_spread``,
-the profiled steps' spread each run states) and how many runs set a stall apart. Targets (issue
+the profiled steps' spread each run states) and how many runs set a stall apart; then the first
+finding about the loop's code (the machine's ``cpu-contention`` set aside, as the zoo does), its
+agreement, and the median contention share the runs reported (the host's load, seen). Targets (issue
 #37): the same first finding in at least 9 of 10 runs; the stated shares within ±5 points of their
 median; no share of 100% from one outlier (a run whose stated share is >= 99% is counted).
 
@@ -81,6 +83,10 @@ def run_zoo(loop: Any, door: str, steps: int) -> Any:
 def summarize(name: str, reports: list[Any]) -> dict[str, Any]:
     firsts = [r.findings[0].id if r is not None and r.findings else "(none)" for r in reports]
     top, agree = collections.Counter(firsts).most_common(1)[0]
+    # the first finding about the loop's code (the machine's cpu-contention set aside, as the zoo does)
+    code = [bottlenecks._first(r)[0] if r is not None and r.findings else "(none)" for r in reports]
+    code_top, code_agree = collections.Counter(code).most_common(1)[0]
+    contention = [bottlenecks._contention(r) for r in reports if r is not None]
     shares, spreads, hundred, stalls = [], [], 0, 0
     for r in reports:
         if r is None or not r.findings:
@@ -102,6 +108,9 @@ def summarize(name: str, reports: list[Any]) -> dict[str, Any]:
         "firsts": firsts,
         "first": top,
         "agree": agree,
+        "code_first": code_top,
+        "code_agree": code_agree,
+        "contention": statistics.median(contention) if contention else None,
         "median_share": median,
         "max_dev": worst,
         "spread": statistics.median(spreads) if spreads else None,
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
           f"{os.cpu_count()} cores, load average {load:.1f} at start")  # fmt: skip
     header = (
         f"{'case':<22} {'first finding':<15} {'agree':>6} {'share':>6} {'±max':>6} {'spread':>6} "
-        f"{'100%':>4} {'stalls':>6} {'s/case':>6}  firsts"
+        f"{'100%':>4} {'stalls':>6} {'s/case':>6} {'code first':<15} {'agree':>6} {'cont.':>5}  firsts"
     )
     print(header)
     print("-" * len(header))
@@ -169,7 +178,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 f"{name:<22} {row['first']:<15} {row['agree']:>3}/{row['runs']:<2} "
                 f"{_fmt(row['median_share'], '6.1%')} {_fmt(_points(row['max_dev']), '6.1f')} "
                 f"{_fmt(_points(row['spread']), '6.1f')} {row['hundred']:>4} "
-                f"{row['stalls']:>6} {time.perf_counter() - began:6.0f}  "
+                f"{row['stalls']:>6} {time.perf_counter() - began:6.0f} {row['code_first']:<15} "
+                f"{row['code_agree']:>3}/{row['runs']:<2} {_fmt(row['contention'], '5.0%')}  "
                 + (", ".join(f"{k} ×{v}" for k, v in others.items()) or "all agree"),
                 flush=True,
             )
@@ -179,10 +189,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             p.wait()
     need = int(AGREE * args.runs + 0.999)
     agreed = sum(r["agree"] >= need for r in rows)
+    code_agreed = sum(r["code_agree"] >= need for r in rows)
     within = sum(r["max_dev"] is None or r["max_dev"] <= POINTS + 1e-9 for r in rows)
     clean = sum(r["hundred"] == 0 for r in rows)
     for passed, text in (
         (agreed, f"same first finding in >= {need}/{args.runs}"),
+        (code_agreed, f"same first finding about the code (cpu-contention aside) in >= {need}/{args.runs}"),
         (within, "stated shares within ±5 points of their median"),
         (clean, "no 100% share from one outlier"),
     ):
