@@ -222,3 +222,19 @@ def test_classes_are_medians_over_the_steps_and_one_slow_call_is_a_stall() -> No
         if e.duration_us < 100_000.0 or e.name.startswith("Prof")
     ]
     assert op_breakdown(slow_everywhere, 3).stalls == ()
+
+
+def test_a_blocking_runtime_call_takes_the_site_of_the_op_it_runs_in() -> None:
+    """A GPU run's sync is cudaStreamSynchronize inside aten::item: not in the profiler's Python tree,
+    it is named by the line that made the aten::item (the reader's ``site``), not a ``def`` line."""
+    item = EventRecord("aten::item", False, 5.0, start_us=100.0, total_us=300.0, site="train.py:42 (step)")
+    events = [
+        _ev("ProfilerStep#1", 0, 1000),
+        _ev("train.py(30): step", 0, 900, python=True),
+        _ev("aten::mm", 10, 50),
+        item,
+        _ev("cudaStreamSynchronize", 110, 280),
+        _ev("gemm_kernel", 20, 60, device=True),
+    ]
+    b = op_breakdown(events, steps=1)
+    assert b.sync_sites == (("train.py:42 (step)", 1.0, 280.0),)

@@ -516,7 +516,11 @@ def _enclosures(events: list[EventRecord]) -> tuple[set[int], set[int], dict[int
             if _OPTIMIZER_SPAN.match(ev.name):
                 open_spans.append((ev.end_us or start, None, "opt"))
             elif ev.end_us is not None and ev.end_us > start and _is_cast(ev):
-                open_spans.append((ev.end_us, None, "cast"))
+                open_spans.append((ev.end_us, ev.site, "cast"))
+            elif ev.site is not None and ev.end_us is not None and ev.end_us > start:
+                # an op whose site the reader knew (the line of the call): what runs inside it, such as
+                # the blocking CUDA runtime call inside aten::item, was made by that line too
+                open_spans.append((ev.end_us, ev.site, None))
     return optimizer, in_cast, sites
 
 
