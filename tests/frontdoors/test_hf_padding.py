@@ -117,3 +117,46 @@ def test_the_callback_plans_the_trainers_padded_batches(tmp_path, sampling):
     assert guard.plan is not None and guard.plan.estimate.method == "traced"
     assert any("longest example, row 13" in r for r in guard.plan.reasons), guard.plan.reasons
     assert guard.shape_stats is not None and guard.shape_stats["stops"] == 0
+
+
+class WeightedTrainer(Trainer):
+    """A Trainer subclass with its own loss, as the docs' "customize the Trainer" recipe writes it."""
+
+    calls = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        WeightedTrainer.calls += 1
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        weight = torch.tensor([1.0, 3.0], device=outputs.logits.device)
+        loss = torch.nn.functional.cross_entropy(outputs.logits, labels, weight=weight)
+        return (loss, outputs) if return_outputs else loss
+
+
+def test_attach_reads_the_trainers_own_loss(tmp_path):
+    trainer = WeightedTrainer(model=bert(), args=args(tmp_path), train_dataset=sentences(),
+                              processing_class=tokenizer())  # fmt: skip
+    guard = ResourceGuardCallback.attach(trainer, memory_limit="2GiB", monitor=False, verbose=False)
+    assert guard in trainer.callback_handler.callbacks and guard.loss_fn is not None
+    WeightedTrainer.calls = 0
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert guard.plan is not None and guard.plan.estimate.method == "traced"
+    assert WeightedTrainer.calls > 3  # the pre-flight traced the subclass's loss, beside the 3 real steps
+    with pytest.raises(ConfigurationError, match="must be a transformers Trainer"):
+        ResourceGuardCallback.attach(object())
+
+
+def test_attach_reads_the_trainers_compute_loss_func(tmp_path):
+    seen: list[int] = []
+
+    def compute_loss_func(outputs, labels, num_items_in_batch=None):
+        seen.append(1)
+        return torch.nn.functional.cross_entropy(outputs.logits, labels)
+
+    trainer = Trainer(model=bert(), args=args(tmp_path), train_dataset=sentences(),
+                      processing_class=tokenizer(), compute_loss_func=compute_loss_func)  # fmt: skip
+    guard = ResourceGuardCallback.attach(trainer, memory_limit="2GiB", monitor=False, verbose=False)
+    assert guard.compute_loss_func is compute_loss_func
+    trainer.train()
+    assert guard.plan is not None and guard.plan.estimate.method == "traced" and len(seen) > 3

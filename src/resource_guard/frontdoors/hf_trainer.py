@@ -201,6 +201,40 @@ class ResourceGuardCallback(TrainerCallback):
         self._inside = False  # our own traces call the model: the hook ignores them
         self._input_name: str | None = None  # the processing class's first model input (its lengths)
 
+    @classmethod
+    def attach(cls, trainer: Any, **kwargs: Any) -> ResourceGuardCallback:
+        """Add the callback to a built ``Trainer``, reading from it what its step runs: its
+        ``compute_loss_func``, and its own ``compute_loss`` when a subclass overrides it (so the
+        pre-flight traces the loss the Trainer computes, not the model's). ``kwargs`` are the
+        constructor's; a ``loss_fn`` or ``compute_loss_func`` given there wins.
+
+        Example:
+            >>> from transformers import Trainer  # doctest: +SKIP
+            >>> guard = ResourceGuardCallback.attach(trainer, memory_limit="8GiB")  # doctest: +SKIP
+        """
+        from transformers import Trainer
+
+        if not isinstance(trainer, Trainer):
+            raise ConfigurationError(
+                f"`ResourceGuardCallback.attach(trainer=...)` must be a transformers Trainer, got "
+                f"{type(trainer).__name__}."
+            )
+        if kwargs.get("compute_loss_func") is None:
+            kwargs["compute_loss_func"] = getattr(trainer, "compute_loss_func", None)
+        if kwargs.get("loss_fn") is None and type(trainer).compute_loss is not Trainer.compute_loss:
+
+            def loss_fn(model: nn.Module, batch: Any) -> Any:  # the subclass's own loss
+                return trainer.compute_loss(model, dict(batch))
+
+            kwargs["loss_fn"] = loss_fn
+        callback = cls(**kwargs)
+        callback._args = trainer.args
+        callback._check_against(trainer.args)
+        trainer.add_callback(callback)
+        if isinstance(trainer.model, nn.Module):
+            callback._watch(trainer.model)
+        return callback
+
     @property
     def eval_checks(self) -> list[Any]:
         return list(self._evals.checks)
