@@ -6,7 +6,8 @@ like classifier with a test pass each epoch; time_sequence_prediction's float64 
 word_language_model's sequence-first LSTM LM with manual SGD updates (``guard(model, None)``, its steps
 counted as a backward then the next forward, its batch dim 1 read from its LSTM); transformers'
 run_clm_no_trainer loop (``outputs = model(**batch)``, ``outputs.loss``, its own accumulation of 2) on a
-GPT-2 built from its config. Per loop it prints:
+GPT-2 built from its config; dcgan's two models and two Adam optimizers (``guard(nn.ModuleDict(...),
+[optimizerD, optimizerG])``: its first step recorded, then replayed for the plan). Per loop it prints:
 whether the pre-flight ran before the first forward, the predicted peak (the guard's plan) against the
 real CPU peak of the loop as written (torch.profiler's memory records over the same steps run unguarded,
 optimizer state created in the first), the optimizer steps the guard counted against those the loop ran
@@ -33,7 +34,7 @@ from resource_guard import guard
 from resource_guard.estimate.host.measure import allocation_deltas, live_bytes, peak_of
 from resource_guard.estimate.host.quiet import quiet_profile
 
-LOOPS = ("nanogpt", "classifier", "lbfgs", "word_lm", "hf_causal_lm")
+LOOPS = ("nanogpt", "classifier", "lbfgs", "word_lm", "hf_causal_lm", "dcgan")
 HERE = Path(__file__).parent / "real_loops"
 
 
@@ -52,12 +53,13 @@ def unguarded(loop: Any, steps: int) -> tuple[float, int, int]:
     model, optimizer = loop.build()
     ran = [0]
     count = lambda *a: ran.__setitem__(0, ran[0] + 1)  # noqa: E731
-    if optimizer is not None:
-        optimizer.register_step_post_hook(count)
+    optimizers = optimizer if isinstance(optimizer, list) else [optimizer] if optimizer is not None else []
+    if optimizers:  # several (a GAN's): a step is each optimizer stepped once, counted at the last
+        optimizers[-1].register_step_post_hook(count)
     else:  # manual updates: one update a backward, counted where it accumulates the first gradient
         next(model.parameters()).register_post_accumulate_grad_hook(count)
     gc.collect()
-    start = live_bytes(model, *([optimizer] if optimizer is not None else []))
+    start = live_bytes(model, *optimizers)
     with quiet_profile() as prof:
         loss = loop.train(model, optimizer, steps)
     return loss, ran[0], start + peak_of(allocation_deltas(prof))

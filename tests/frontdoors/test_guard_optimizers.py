@@ -108,9 +108,17 @@ def test_a_batch_that_only_fits_smaller_is_refused_not_split():
 
 
 def test_several_optimizers_are_checked_before_anything_runs():
-    model, opt_g, opt_d, _ = build()
+    model, opt_g, opt_d, loader = build()
+    # no user step: the loop must stay unchanged (its first step recorded); a sample batch or g.iterate
+    # asks the guard to run the step, which it cannot know: refused before any step
     with pytest.raises(ConfigurationError, match=r"UserStep\(fn\)"):
-        guard(model, [opt_g, opt_d])
+        with guard(model, [opt_g, opt_d], sample_batch=loader[0], monitor=False):
+            pass
+    with pytest.raises(ConfigurationError, match=r"UserStep\(fn\).*records its first step"):
+        with guard(model, [opt_g, opt_d], monitor=False) as g:
+            for _ in g.iterate(loader):
+                pass
+    assert g.optimizer_steps == 0
     other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(ConfigurationError, match="not the model's"):
         guard(model, [opt_g, other], loss_fn=UserStep(gan_step))

@@ -174,18 +174,21 @@ def count_user_step_flops(
 
 
 def check_optimizers(
-    model: nn.Module, optimizers: Any, loss_fn: Any, who: str
+    model: nn.Module, optimizers: Any, loss_fn: Any, who: str, *, recorded: bool = False
 ) -> list[torch.optim.Optimizer]:
     """The optimizers of a step, refused with the remedy when they do not go with ``loss_fn``.
 
-    A list or tuple of optimizers is a user step's (``loss_fn`` a :class:`UserStep`); each must be a
-    ``torch.optim.Optimizer`` over ``model``'s parameters.
+    A list or tuple of optimizers is a user step's (``loss_fn`` a :class:`UserStep`), or (``recorded``)
+    an unchanged loop's whose first step the guard records; each must be a ``torch.optim.Optimizer``
+    over ``model``'s parameters.
     """
-    if not isinstance(loss_fn, UserStep):
+    if not isinstance(loss_fn, UserStep) and not recorded:
         raise ConfigurationError(
             f"`{who}(optimizer=[...])` got {len(optimizers)} optimizers, but the step that steps them is "
             "not given: pass `loss_fn=UserStep(fn)` whose `fn(step)` calls `step.backward(loss)` and each "
-            "optimizer's `step()` as the training loop does (resource_guard.estimate.user_step)."
+            "optimizer's `step()` as the training loop does (resource_guard.estimate.user_step); or leave "
+            f"the loop unchanged under `with {who}(nn.ModuleDict({{...every model...}}), [opt, ...]):` "
+            "(no `sample_batch=`, no `g.iterate`), which records its first step."
         )
     if not optimizers:
         raise ConfigurationError(f"`{who}(optimizer=[])`: pass the optimizers the step uses.")

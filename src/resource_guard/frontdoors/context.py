@@ -147,10 +147,14 @@ class Guard:
                 f"`guard(model=...)` must be a torch.nn.Module, got {type(model).__name__}."
             )
         several = isinstance(optimizer, (list, tuple))  # a GAN's loop: g.backward(loss, optimizer=...)
+        from resource_guard.estimate.user_step import UserStep
+
+        # several optimizers and no user step: an unchanged loop, its first step recorded (recorded.py)
+        self._recording = several and not isinstance(loss_fn, UserStep)
         if several:
             from resource_guard.estimate.user_step import check_optimizers
 
-            check_optimizers(model, optimizer, loss_fn, "guard")
+            check_optimizers(model, optimizer, loss_fn, "guard", recorded=self._recording)
         elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigurationError(
                 f"`guard(optimizer=...)` must be a torch.optim.Optimizer, a list of them, or "
@@ -257,7 +261,12 @@ class Guard:
             self._setup(self._sample_batch)
         else:  # until the loop calls g.iterate: watch it as it is (frontdoors/guard/observed.py)
             self._watch = LoopWatch(
-                self.model, self.optimizers, self._setup_observed, self._gradients_kept, self._closure_loss
+                self.model,
+                self.optimizers,
+                self._setup_observed,
+                self._gradients_kept,
+                self._closure_loss,
+                record=self._setup_recorded if self._recording else None,
             )
             self._watch.install()
         return self
@@ -275,6 +284,10 @@ class Guard:
     # set-up (the parts: frontdoors/guard/setup.py)
 
     def _setup(self, batch: Any, loader: Any = None) -> None:
+        if self._recording:  # g.iterate / sample_batch= with several optimizers: the guard runs the step
+            from resource_guard.estimate.user_step import check_optimizers
+
+            check_optimizers(self.model, list(self.optimizers), self.loss_fn, "guard")
         target = self._target if self._target is not None else batch_size_of(batch)
         if target is None:
             from resource_guard.frontdoors.guard.batch_dim import infer_batch_dim
@@ -387,6 +400,25 @@ class Guard:
             warnings.warn(f"resource_guard: the shape check is off: {error!r}", ResourceGuardWarning, 4)
             notes = []
         self.plan = self._with_reasons(*notes)
+
+    def _setup_recorded(self, recorder: Any) -> None:
+        """The first step of an unchanged loop with several optimizers ended: that step, replayed on fake
+        tensors, planned (``DoesNotFitError`` stops the loop before its next forward), then the monitor."""
+        from resource_guard.frontdoors.guard.observed import plan_recorded
+
+        watch = self._watch
+        assert watch is not None
+        self.plan, self.device, step = plan_recorded(self.model, self.optimizers, recorder, self._plan_kwargs)
+        self._target = self.plan.target_batch_size
+        if self._monitor_on:
+            from resource_guard.estimate.user_step import UserStep
+            from resource_guard.frontdoors.guard.recorded import replay_step
+
+            once = UserStep(replay_step(recorder.events, passes=1))
+            per_sample = flops_per_sample(self.model, tuple(recorder.fresh), once, self.optimizers)
+            self._monitor = self._start_monitor(None)
+            self._clock = self._monitor.phases if self._monitor is not None else None
+            watch.monitor, watch.clock, watch.flops_per_sample = self._monitor, self._clock, per_sample
 
     def _closure_loss(self, loss_bytes: int) -> None:
         """The unchanged loop's closure returned its loss: the step refitted with the losses it holds."""

@@ -65,6 +65,7 @@ __all__ = [
     "loop_precision",
     "outputs_as_kept",
     "plan_as_run",
+    "plan_recorded",
 ]
 
 _clock = time.perf_counter
@@ -211,6 +212,11 @@ class LoopWatch:
             allocated (the loop's own accumulation: micro-steps 2..k; or ``zero_grad(set_to_none=False)``),
             with that forward's number within its step (1-based); it may raise ``DoesNotFitError`` too.
             Looked for in the loop's first three steps.
+        record: with several optimizers and no user step (a GAN's loop): the loop's first step is
+            recorded (:class:`~resource_guard.frontdoors.guard.recorded.StepRecorder`, the model's
+            children watched instead of the model) and ``record(recorder)`` is called once it ends, in
+            place of ``first_forward``; a ``DoesNotFitError`` it raises stops the loop before its next
+            forward.
         closure_loss: called once, after the first step of a closure optimizer, with the bytes of the
             storage of the loss the loop's closure returned (a reduced ``mse_loss`` keeps its whole
             unreduced buffer); it may raise ``DoesNotFitError``, which stops the loop before its next
@@ -227,8 +233,16 @@ class LoopWatch:
         first_forward: Callable[[tuple[Any, ...], dict[str, Any]], None],
         gradients_kept: Callable[[int], None] | None = None,
         closure_loss: Callable[[int], None] | None = None,
+        record: Callable[[Any], None] | None = None,
     ) -> None:
+        from resource_guard.frontdoors.guard.recorded import StepRecorder, recorded_children
+
         self.model, self.optimizers, self._first_forward = model, optimizers, first_forward
+        self._record = record
+        self.recorder = StepRecorder(model, optimizers) if record is not None else None
+        # the modules whose forwards are the loop's: the model, or (recording) the models it holds
+        self._modules = [c for _, c in recorded_children(model)] if record is not None else [model]
+        self._module_ids = {id(m) for m in self._modules}
         self._gradients_kept = gradients_kept
         self._closure_loss = closure_loss
         self._loss_bytes: int | None = None  # the storage of the first loss a closure returned
@@ -259,10 +273,14 @@ class LoopWatch:
     # -- hooks -----------------------------------------------------------------------------------
     def install(self) -> None:
         model = self.model
-        self._handles = [
-            model.register_forward_pre_hook(_Hook(self._before_forward), with_kwargs=True),
-            model.register_forward_hook(_Hook(self._after_forward)),
-        ]
+        self._handles = []
+        for module in self._modules:
+            self._handles.append(
+                module.register_forward_pre_hook(_Hook(self._before_forward), with_kwargs=True)
+            )
+            self._handles.append(module.register_forward_hook(_Hook(self._after_forward)))
+        if self.recorder is not None:
+            self.recorder.start()
         for optimizer in self.optimizers:
             self._handles.append(optimizer.register_step_pre_hook(_Hook(self._before_step)))
             self._handles.append(optimizer.register_step_post_hook(_Hook(self._after_step)))
@@ -277,6 +295,8 @@ class LoopWatch:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        if self.recorder is not None:
+            self.recorder.stop()
 
     def _fail(self, error: BaseException) -> None:
         """A failure of ours: one warning, then every hook returns at once."""
@@ -288,7 +308,7 @@ class LoopWatch:
         )
 
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.broken or self._inside or module is not self.model:
+        if self.broken or self._inside or id(module) not in self._module_ids:
             return
         if self._pending is not None:  # the closure's loss refit said no: stop before this forward
             pending, self._pending = self._pending, None
@@ -300,7 +320,7 @@ class LoopWatch:
                 if self.clock is not None and not self._in_step:
                     self.clock.switch("evaluation")
                 return
-            if not self.planned:
+            if not self.planned and self._record is None:
                 self.planned = True
                 self._inside = True
                 try:
@@ -317,7 +337,12 @@ class LoopWatch:
                 self._close_step()
             self.forwards += 1
             self._step_forwards += 1
-            if self.grads_kept_at is None and self.steps < 3 and self._grads_allocated():
+            if (
+                self._record is None
+                and self.grads_kept_at is None
+                and self.steps < 3
+                and self._grads_allocated()
+            ):
                 self.grads_kept_at = self._step_forwards
                 if self._gradients_kept is not None:
                     self._inside = True
@@ -328,8 +353,8 @@ class LoopWatch:
             if self.clock is not None:
                 self._end_backward()  # an accumulating loop: the previous micro-batch's backward
                 self.clock.switch("forward")
-            if self.monitor is not None:
-                batch = forward_batch(args, kwargs)
+            if self.monitor is not None and (self._record is None or self._step_forwards == 1):
+                batch = forward_batch(args, kwargs)  # recorded: the step's first forward has its batch
                 rows = rows_along(batch, self.batch_dim)
                 self._step_samples += rows or 0
                 if self.batch_dim and rows:  # samples and tokens counted batch-first
@@ -360,7 +385,7 @@ class LoopWatch:
         return any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
 
     def _after_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self.broken or self._inside or self._in_step or module is not self.model:
+        if self.broken or self._inside or self._in_step or id(module) not in self._module_ids:
             return
         try:
             if not (module.training and torch.is_grad_enabled()) or self.clock is None:
@@ -425,6 +450,8 @@ class LoopWatch:
                 return
             self._stepped.clear()
             self._close_step()
+            if self.recorder is not None and self._record is not None and not self.planned:
+                self._recorded()
             if self._loss_bytes is not None and self._closure_loss is not None:
                 report, self._closure_loss = self._closure_loss, None
                 self._inside = True
@@ -436,6 +463,21 @@ class LoopWatch:
                     self._inside = False
         except Exception as error:
             self._fail(error)
+
+    def _recorded(self) -> None:
+        """The first step of a loop with several optimizers ended: its recording becomes the plan."""
+        recorder, record = self.recorder, self._record
+        assert recorder is not None and record is not None
+        recorder.stop()
+        self.planned = True
+        self._inside = True
+        try:
+            record(recorder)
+        except DoesNotFitError as verdict:  # raised from the loop's next forward, not its step
+            self._pending = verdict
+        finally:
+            self._inside = False
+            recorder.fresh = []  # the loop's tensors of that step: not held any longer
 
     def finish(self) -> None:
         """The loop ended: a manual-update loop's last step (a backward with no forward after it) counts."""
@@ -466,8 +508,9 @@ class LoopWatch:
     # -- what was seen -----------------------------------------------------------------------------
     @property
     def accumulation(self) -> int | None:
-        """Forwards per optimizer step, the commonest count (the loop's own accumulation)."""
-        if not self.forwards_per_step:
+        """Forwards per optimizer step, the commonest count (the loop's own accumulation); None for a
+        recorded step of several optimizers, whose forwards are its models' (a GAN's D, G, D, D)."""
+        if not self.forwards_per_step or self._record is not None:
             return None
         found = max(self.forwards_per_step.items(), key=lambda kv: (kv[1], kv[0]))[0]
         return found or None  # 0: the forwards run inside the step (a closure)
@@ -489,6 +532,11 @@ class LoopWatch:
                 words += f" ({self.samples_per_step} samples a step)"
         if self.closure_forwards:
             words += f"; {self.closure_forwards} forward(s) inside optimizer steps (closure evaluations)"
+        if self.recorder is not None:
+            words += (
+                f"; {len(self.optimizers)} optimizers: a step ends when each has stepped, its first one "
+                f"recorded ({len(self.recorder.events)} events) and replayed for the plan"
+            )
         return words + "; the time between a step and the next forward is counted as data wait (data + host)"
 
     def facts(self) -> dict[str, Any]:
@@ -650,6 +698,79 @@ def plan_as_run(
             made,
         )
     return made, device, loss, dim
+
+
+def plan_recorded(
+    model: nn.Module,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    recorder: Any,
+    plan_kwargs: Mapping[str, Any],
+) -> tuple[Any, torch.device, Any]:
+    """The plan of the step an unchanged loop with several optimizers ran first, recorded by ``recorder``
+    (:mod:`~resource_guard.frontdoors.guard.recorded`): replayed as a
+    :class:`~resource_guard.estimate.user_step.UserStep` over the loop's own tensors of that step, in the
+    loop's precision and on its device. Returns ``(plan, torch device, the user step)``.
+
+    Raises:
+        DoesNotFitError: that step does not fit (the loop's batch cannot be split: no accumulation).
+        ConfigurationError: the step's forwards took no tensor of the loop's (nothing to plan from).
+    """
+    import dataclasses
+
+    from resource_guard.estimate.user_step import UserStep
+    from resource_guard.frontdoors.guard.recorded import Backward, Forward, Step, replay_step
+    from resource_guard.frontdoors.guard.setup import make_plan
+
+    batch = tuple(recorder.fresh)
+    if not batch:
+        raise ConfigurationError(
+            "the loop's first step gave its models no tensor of its own: nothing to plan the step from. "
+            "Pass `loss_fn=UserStep(fn)` and `sample_batch=` to describe it."
+        )
+    rows = batch_size_of(batch) or batch_size_of(batch[0]) or 1
+    events = recorder.events
+    step = UserStep(replay_step(events), name="the loop's first step, recorded")
+    own = next((p.device for p in model.parameters()), torch.device("cpu"))
+    kw = dict(plan_kwargs)
+    if kw.get("device", "auto") == "auto":
+        kw["device"] = str(own)
+    if kw.get("precision") is None:
+        kw["precision"] = loop_precision(model, own.type)
+    kw["checkpointing"] = False
+    # the loop's batch cannot be split (no accumulation): what the search said of smaller micro-batches
+    # (a BatchNorm's trace failing at one row, say) is about steps that never run, and is not repeated
+    with torch.autocast(own.type, enabled=False), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            made, device = make_plan(model, optimizers, batch, step, rows, kw)
+        except DoesNotFitError as error:
+            raise DoesNotFitError(
+                f"the loop's step (recorded from its first step), a batch of {rows}, is predicted not to "
+                f"fit; {error}",
+                error.report,
+            ) from None
+    if made.micro_batch_size >= rows:
+        for warning in said:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    count = lambda kind: sum(isinstance(e, kind) for e in events)  # noqa: E731
+    children = ", ".join(dict.fromkeys(e.child for e in events if isinstance(e, Forward)))
+    line = (
+        f"{len(optimizers)} optimizers, the loop unchanged: its first step recorded through hooks "
+        f"({count(Forward)} forwards of {children}, {count(Backward)} backwards, {count(Step)} optimizer "
+        "steps) and replayed on fake tensors, twice (the second pass starts with the gradients the first "
+        "left): pre-flighted before the second step; the losses computed outside the models stand in as a "
+        "cross-entropy over the outputs each backward reached"
+    )
+    made = dataclasses.replace(made, reasons=(*made.reasons, line))
+    if made.micro_batch_size < rows:
+        fit = made.fit
+        raise DoesNotFitError(
+            f"the loop's step (recorded from its first step), a batch of {rows} in {made.precision}, is "
+            f"predicted not to fit {made.device.name} ({fit.usable_bytes / 2**20:,.1f} MiB usable); the "
+            f"largest batch that fits is {made.micro_batch_size}. Lower the batch size.\n\n{made.summary()}",
+            made,
+        )
+    return made, device, step
 
 
 def gradients_kept_plan(plan: Any, forward: int) -> tuple[Any, str]:
