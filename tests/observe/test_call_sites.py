@@ -5,6 +5,7 @@ is never the user's."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -69,3 +70,40 @@ def test_casts_and_syncs_name_the_line_of_the_call_and_the_module_path() -> None
     assert f"{here}:{cast_line} (forward) in blocks.*.attn (Attn)" in sites, sites  # the three blocks
     assert summary.sync_sites[0][0] == f"{here}:{sync_line} (_train)", summary.sync_sites
     assert not any(f":{_line(Attn.forward, 'def forward')} " in s for s in sites)  # not the def line
+
+
+def _guarded_loop() -> tuple[object, int, int]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from resource_guard import guard
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = TensorDataset(torch.randn(14 * 8, 32), torch.randn(14 * 8, 32))
+    window = ProfileWindow(skip_first=2, wait=0, warmup=1, active=3)
+    with guard(model, optimizer, device="cpu", precision="32-true", log_dir=None, profile=window) as g:
+        for x, y in g.iterate(DataLoader(data, batch_size=8)):
+            loss = (model(x) - y).pow(2).mean()  # FORWARD
+            g.backward(loss)
+            float(loss.detach().double())  # USER-CAST
+    return g.report, _line(_guarded_loop, "# USER-CAST"), _line(_guarded_loop, "# FORWARD")
+
+
+def test_under_the_guard_the_user_s_lines_are_named_and_the_guard_s_own_work_is_its_own() -> None:
+    """Issue #37: of an MNIST window's copies 240 came from the guard's own optimizer stepper and were
+    named as the user's loop line. Ops the guard runs itself are labelled as its own work; the
+    user's casts and scalar reads name the user's lines."""
+    report, cast_line, forward_line = _guarded_loop()
+    profile = report.stats.profile  # type: ignore[attr-defined]
+    assert profile is not None
+    here = Path(__file__).name
+    sites = [s for s, _, _ in profile.cast_sites] + [s for s, _, _ in profile.sync_sites]
+    assert f"{here}:{cast_line} (_guarded_loop)" in [s for s, _, _ in profile.cast_sites], sites
+    assert any(s.startswith(f"{here}:{forward_line} (_guarded_loop) in ") for s in sites) or any(
+        s.startswith(f"{here}:{_line(Attn.forward, '# CAST')} (forward) in blocks.*.attn (Attn)")
+        for s in sites
+    ), sites
+    for site in sites:  # never a line inside resource_guard passed off as the user's
+        assert site.startswith(here) or "(the guard's own work)" in site or site.startswith("(no user"), site
+        assert "resource_guard/" not in site.split(" (the guard")[0] or "(the guard's own work)" in site

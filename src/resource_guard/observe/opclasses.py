@@ -445,18 +445,27 @@ def _by_line(table: dict[str, list[float]]) -> dict[str, list[float]]:
 
 def merge_paths(paths: Sequence[str]) -> str:
     """Module paths as one: equal ones as they are, paths that differ only in their indices with ``*``
-    there, else the first two and how many more.
+    there (each of up to three classes on its own), else the first two and how many more.
 
     >>> merge_paths(["blocks.0.attn (Attn)", "blocks.11.attn (Attn)"])
     'blocks.*.attn (Attn)'
     >>> merge_paths(["0 (Linear)", "2 (Linear)"])
     '* (Linear)'
-    >>> merge_paths(["encoder (Encoder)", "decoder (Decoder)", "head (Linear)"])
-    'encoder (Encoder), decoder (Decoder) and 1 more'
+    >>> merge_paths(["b.0.a (Attn)", "b.0.a.proj (Linear)", "b.1.a (Attn)", "b.1.a.proj (Linear)"])
+    'b.*.a (Attn), b.*.a.proj (Linear)'
+    >>> merge_paths(["enc (Encoder)", "dec (Decoder)", "head (Linear)", "norm (LayerNorm)"])
+    'enc (Encoder), dec (Decoder) and 2 more'
     """
     unique = list(dict.fromkeys(paths))
     if len(unique) == 1:
         return unique[0]
+    by_class: dict[str, list[str]] = {}
+    for p in unique:
+        by_class.setdefault(p.rsplit(" (", 1)[-1] if p.endswith(")") else "", []).append(p)
+    if 1 < len(by_class) <= 3:  # one line run in modules of a few classes: each class merged on its own
+        merged = [merge_paths(group) for group in by_class.values()]
+        if not any(" and " in m or ", " in m for m in merged):
+            return ", ".join(merged)
     split = [p.rsplit(" (", 1) if p.endswith(")") and " (" in p else [p, ""] for p in unique]
     classes = {cls for _, cls in split}
     parts = [path.split(".") for path, _ in split]

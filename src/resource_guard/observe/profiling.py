@@ -218,6 +218,9 @@ def op_sites(result: Any) -> dict[tuple[str, int], str]:
                     guard = f"{callee.function_name} in {callee.file_name[found.start() :].lstrip('/')}"
                 elif not is_library_file(callee.file_name):
                     guard = None
+                    # ops made by this function directly (an operator, float(t): no call of their own
+                    # to take a line from) are the function's; its calls name their own lines
+                    site = f"{callee.file_name}:{callee.line_number} ({callee.function_name})"
             elif node.name.startswith(_BACKWARD):
                 guard = None
             info = getattr(fields, "module", None)
