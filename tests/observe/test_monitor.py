@@ -362,8 +362,11 @@ def test_healthy_run_is_not_input_bound(
     report = mon.close()
     assert report is not None
     assert report.finding("input-bound") is None, report.to_markdown()
-    assert report.verdict == "healthy"
-    assert json.loads((tmp_path / "report.json").read_text())["verdict"] == "healthy"
+    # the code is healthy; on a host busy with other processes their cost is named first (issue #37)
+    assert report.finding("healthy") is not None
+    verdict = "cpu-contention" if report.finding("cpu-contention") else "healthy"
+    assert report.verdict == verdict
+    assert json.loads((tmp_path / "report.json").read_text())["verdict"] == verdict
 
 
 def test_close_with_an_exception_inside_the_profiler_window_stops_everything(tmp_path: Path) -> None:

@@ -309,3 +309,13 @@ def test_healthy_advice_agrees_with_the_plan_s_micro_batch() -> None:
     assert "a larger micro-batch (the plan's row '32×1 32-true'" in roomy
     unplanned = analyze(RunStats(steps=10, step_time_s=0.1)).findings[0].advice[0]
     assert "Scale the batch" not in unplanned and "plan a larger batch before" in unplanned
+
+
+def test_a_busy_machine_is_named_first_and_the_code_can_still_be_healthy() -> None:
+    node = {"other_cores": 1.0, "contention_share": 0.4, "cores": 2, "own_threads": 1}
+    threads = {"intra_op_threads": 1, "processes": 1, "workers": 0, "cores": 2, "threads": 1,
+               "fitting_threads": 1, "node": node}  # fmt: skip
+    r = analyze(RunStats(steps=10, step_time_s=0.1, threads=threads))
+    assert [f.id for f in r.findings][:2] == ["cpu-contention", "healthy"] and r.verdict == "cpu-contention"
+    slow_input = analyze(RunStats(steps=10, step_time_s=0.1, data_wait_share=0.6, threads=threads))
+    assert slow_input.finding("healthy") is None and slow_input.verdict == "input-bound"  # 60% > 40%

@@ -98,10 +98,17 @@ def analyze(stats: RunStats, rules: tuple[Callable[[RunStats], Finding | None], 
     """Run every rule over ``stats``; findings ranked so that the first is the one to fix first
     (:func:`rank_key`)."""
     found = [f for f in (rule(stats) for rule in rules) if f is not None]
-    if not any(f.severity != "info" for f in found):
-        found.insert(0, _healthy(stats))
+    if not any(f.severity != "info" and f.id not in MACHINE_IDS for f in found):
+        found.insert(0, _healthy(stats))  # the code is healthy, however busy the machine
     found.sort(key=lambda f: rank_key(f, stats.step_time_s))
+    if found and found[0].id == "healthy":  # the machine's cost, when it has one, is what to know first
+        machine = [f for f in found if f.id in MACHINE_IDS and f.severity != "info"]
+        found = machine + [f for f in found if f not in machine]
     return Report(tuple(found), stats)
+
+
+# findings about the machine the run shares, not about its code: beside them the code can be healthy
+MACHINE_IDS = ("cpu-contention",)
 
 
 _STOPS = ("oom", "shapes")  # the run stopped (or will): fixed before any speed-up matters
