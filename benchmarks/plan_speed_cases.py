@@ -177,9 +177,10 @@ def main(only: str | None, rounds: int) -> None:
     torch.set_num_threads(1)
     load = os.getloadavg()
     started = time.perf_counter()
-    # the machine is shared: the calibration and the steps are timed in this thread's CPU time (what
-    # they take on a core of their own); wall-clock medians are printed beside them
-    cal = cpu_calibration(timer=time.thread_time, refresh=True)
+    # the machine is shared: the steps are timed in this thread's CPU time (what they take on a core of
+    # their own), as the planner's calibration is on one thread (op_time.default_timer); wall-clock
+    # medians are printed beside them
+    cal = cpu_calibration(refresh=True)
     print(
         f"target batch {TARGET}, precision auto, AdamW, CPU, 1 thread; medians of {rounds} interleaved "
         f"rounds in thread CPU time; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "

@@ -90,7 +90,7 @@ class OpWork:
     ``name``: the ATen operator (``"addmm"``); ``phase``: ``"forward"``, ``"backward"`` or ``"optimizer"``;
     ``variant``: a matmul's layout (``"nt"``: its second operand a transposed view; ``"rnn"``: a fused
     recurrent layer, run as ``steps`` sequential time steps), an attention's ``"forward"`` /
-    ``"backward"``, a copy's ``"cast"`` (dtype change).
+    ``"backward"`` (over ``steps`` heads: batch × heads), a copy's ``"cast"`` (dtype change).
     """
 
     op_class: str
@@ -204,11 +204,15 @@ def classify_op(func: Any, args: tuple, kwargs: dict, out: Any) -> OpWork:
         flops = _registry_flops(func, args, kwargs, out)
         variant = "backward" if "backward" in name else "forward"
         flops = flops if flops is not None else _cpu_attention_flops(func, args, kwargs)
-        return work("attention", flops, moved, variant)
+        query = _arg(func, args, kwargs, "query")
+        heads = math.prod(query.shape[:-2]) if isinstance(query, torch.Tensor) and query.dim() > 2 else 1
+        return dataclasses.replace(work("attention", flops, moved, variant), steps=int(heads))
     if "rnn" in name or "lstm" in name or "gru" in name:
-        first = ins[0] if ins else None
-        batch_first = bool(_arg(func, args, kwargs, "batch_first", False))
-        steps = first.shape[1 if batch_first else 0] if first is not None and first.dim() == 3 else 1
+        first = ins[0] if ins else None  # time-major here whatever the module's batch_first
+        steps = first.shape[0] if first is not None and first.dim() == 3 else 1
+        # the weights are read again at every time step
+        weights = sum(_nbytes(t) for t in ins[1:] if t.is_floating_point() and t.dim() == 2)
+        moved += (int(steps) - 1) * weights * (2 if "backward" in name else 1)
         return dataclasses.replace(work("matmul", _rnn_flops(name, ins), moved, "rnn"), steps=int(steps))
     flops = _registry_flops(func, args, kwargs, out)
     if flops is not None:
@@ -309,9 +313,9 @@ class CpuCalibration:
         conv_flops_per_s: FLOP/s of a 3×3 convolution per dtype name (forward) and ``"…/backward"``.
         named_per_s: elements/s of operators slower than their bytes, keyed ``"bernoulli_/torch.float32"``
             (dropout's random numbers; ``max_pool2d_with_indices``: bfloat16 pooling is not vectorised).
-        attention_flops_per_s: FLOP/s of the CPU's fused causal attention per dtype name
-            (``"torch.float32"``: forward) and ``"torch.float32/backward"`` (far below a plain matmul's),
-            measured at a small model's size (4 heads × 128 positions × 32).
+        attention_flops_per_s: ``(FLOPs per head, FLOP/s)`` points of the CPU's fused attention per dtype
+            name (``"torch.float32"``: forward) and ``"torch.float32/backward"`` (far below a plain matmul's,
+            bfloat16's backward most), measured at a small and a larger model's head size.
         transcendental_per_s: per dtype name, ``(elements, elements/s)`` points of ``log_softmax``
             forward and backward (exp, log: bound by arithmetic as much as by memory).
         threads: ``torch.get_num_threads()`` when measured.
@@ -322,7 +326,7 @@ class CpuCalibration:
     copy_bytes_per_s: Mapping[str, tuple[tuple[float, float], ...]]
     op_overhead_s: float
     view_overhead_s: float
-    attention_flops_per_s: Mapping[str, float] = field(default_factory=dict)
+    attention_flops_per_s: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     transcendental_per_s: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     cold_bytes_per_s: Mapping[str, float] = field(default_factory=dict)
     cast_bytes_per_s: tuple[tuple[float, float], ...] = ()
@@ -559,25 +563,41 @@ def _measure_step_overheads(
     return per_op, fixed, per_opt_op
 
 
-def measure_cpu(timer: Callable[[], float] = time.perf_counter) -> CpuCalibration:
-    """Measure this CPU now (matmuls, passes and casts per dtype, two tiny training steps; ~1 s).
+def default_timer() -> Callable[[], float]:
+    """The calibration's clock: this thread's CPU time when torch runs one thread, else the wall clock.
 
-    ``timer``: for tests.
+    One thread's CPU time is what the work takes on a core of its own: a machine shared with other
+    processes does not make the calibration (and so the plan) depend on their load at that moment.
     """
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def measure_cpu(timer: Callable[[], float] | None = None) -> CpuCalibration:
+    """Measure this CPU now (matmuls, passes and casts per dtype, two tiny training steps; ~1-2 s).
+
+    ``timer``: the clock (default :func:`default_timer`; a fake one in tests).
+    """
+    timer = timer or default_timer()
     started = timer()
     matmul = _measure_matmuls(timer)
     copies, cold, cast = _measure_passes(timer)
-    attention: dict[str, float] = {}
+    attention: dict[str, tuple[tuple[float, float], ...]] = {}
     transcendental: dict[str, tuple[tuple[float, float], ...]] = {}
     for dtype in _CALIBRATED_DTYPES:
-        # a small model's heads: 4 × 128 positions × 32, not causal
-        q, k, v = (torch.randn(4, 4, 128, 32, dtype=dtype, requires_grad=True) for _ in range(3))
-        flops = 2.0 * 4 * 4 * 128 * 128 * (32 + 32)  # forward
-        with torch.no_grad():
-            forward = _median_s(functools.partial(_attention_step, q, k, v, False), timer, 2)
-        both = _median_s(functools.partial(_attention_step, q, k, v, True), timer, 2)
-        attention[str(dtype)] = flops / forward
-        attention[f"{dtype}/backward"] = 2.5 * flops / max(both - forward, forward)
+        forward_points, backward_points = [], []
+        for batch, heads, length, dim in ((16, 4, 64, 32), (2, 4, 256, 64)):  # a small and a larger model's
+            q, k, v = (
+                torch.randn(batch, heads, length, dim, dtype=dtype, requires_grad=True) for _ in range(3)
+            )
+            flops = 2.0 * batch * heads * length * length * 2 * dim  # forward, not causal
+            with torch.no_grad():
+                forward = _median_s(functools.partial(_attention_step, q, k, v, False), timer, 2)
+            both = _median_s(functools.partial(_attention_step, q, k, v, True), timer, 2)
+            per_head = flops / (batch * heads)
+            forward_points.append((per_head, flops / forward))
+            backward_points.append((2.5 * per_head, 2.5 * flops / max(both - forward, forward)))
+        attention[str(dtype)] = tuple(forward_points)
+        attention[f"{dtype}/backward"] = tuple(backward_points)
         points = []
         for rows in (64, 2048):
             x = torch.ones(rows, 1024, dtype=dtype, requires_grad=True)
@@ -630,7 +650,7 @@ def cpu_calibration(*, timer: Callable[[], float] | None = None, refresh: bool =
     key = (cpu_profile(), torch.get_num_threads())
     with _LOCK:
         if refresh or key not in _CACHE:
-            _CACHE[key] = measure_cpu(timer or time.perf_counter)
+            _CACHE[key] = measure_cpu(timer)
         return _CACHE[key]
 
 
@@ -643,7 +663,7 @@ class StepTimePrediction:
         micro_step_s: one micro-step's forward and backward.
         optimizer_s: the optimizer's update, once per step.
         accumulate_s: what each micro-step after the first adds: its gradients added to the earlier ones
-            (read both, write one, out of the cache) by autograd's per-parameter accumulation.
+            (measured on this CPU: about what a fresh gradient's allocation costs, beyond one extra read).
         micro_step_by_class_s: ``micro_step_s`` split by :data:`OP_CLASSES`.
         flops_per_micro_step / bytes_per_micro_step: what the micro-step's operators compute and move.
         ops_per_micro_step: operators in a micro-step (views included).
@@ -702,7 +722,7 @@ def _kernel_seconds(w: OpWork, cal: CpuCalibration) -> float:
             or rates.get("torch.float32/backward" if w.variant == "backward" else "torch.float32")
             or rates["torch.float32"]
         )
-        return max(w.flops / rate, memory)
+        return max(w.flops / _interpolate(rate, w.flops / max(w.steps, 1)), memory)
     if w.op_class == "transcendental" and cal.transcendental_per_s:
         points = cal.transcendental_per_s.get(str(w.dtype)) or cal.transcendental_per_s["torch.float32"]
         return max(w.flops / _interpolate(points, w.flops or 1.0), memory)
@@ -713,11 +733,11 @@ def _kernel_seconds(w: OpWork, cal: CpuCalibration) -> float:
     if w.op_class == "conv" and w.flops and cal.conv_flops_per_s:
         key = f"{w.dtype}/backward" if w.variant == "backward" else str(w.dtype)
         fallback = "torch.float32/backward" if w.variant == "backward" else "torch.float32"
-        rate = cal.conv_flops_per_s.get(key) or cal.conv_flops_per_s[fallback]
-        return max(w.flops / rate, memory)
+        conv_rate = cal.conv_flops_per_s.get(key) or cal.conv_flops_per_s[fallback]
+        return max(w.flops / conv_rate, memory)
     if w.variant == "rnn":  # one small matmul per time step, each paying a fixed cost
         per_step = cal.rnn_step_s.get(str(w.dtype)) or cal.rnn_step_s.get("torch.float32", 0.0)
-        return w.flops / cal.matmul_rate(w.dtype, w.flops / w.steps) + w.steps * per_step
+        return max(w.flops / cal.matmul_rate(w.dtype, w.flops / w.steps), memory) + w.steps * per_step
     if w.op_class in _MATMUL_LIKE and w.flops:
         return max(w.flops / cal.matmul_rate(w.dtype, w.flops, w.variant), memory)
     return memory
@@ -749,9 +769,10 @@ def predict_ops(ops: StepOps, cal: CpuCalibration) -> StepTimePrediction:
         micro_step_s=sum(by_class.values()),
         optimizer_s=sum(_op_seconds(w, cal) for w in ops.optimizer),
         micro_step_by_class_s=by_class,
+        # the add replaces what a fresh gradient costs (its allocation and first write): only the extra
+        # read of the earlier gradients counts, which a backward has just touched
         accumulate_s=(
-            3 * ops.gradient_bytes / cal.cold_bandwidth(torch.float32, 3 * ops.gradient_bytes)
-            + ops.gradient_tensors * cal.op_overhead_s
+            ops.gradient_bytes / cal.bandwidth(torch.float32, 3 * ops.gradient_bytes)
             if ops.gradient_bytes
             else 0.0
         ),
