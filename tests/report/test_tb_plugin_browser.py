@@ -39,7 +39,7 @@ FRAME = "document.querySelector('iframe') && document.querySelector('iframe').co
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("runs")
     run_demo(steps=3, batch_size=4, seq_len=16, log_dir=str(root / "demo"))
-    write_lightning_run(root / "light", max_steps=4, log_every_n_steps=1)
+    write_lightning_run(root / "light", max_steps=12, log_every_n_steps=1)  # profiled: steps 8-10
     return root
 
 
@@ -192,3 +192,16 @@ def test_compare_names_the_phase_that_changed(page: Browser, server: str, runs: 
     row = _in(page, "d.querySelector('#compare-phases tr.changed').dataset.phase")
     assert row == expected["changed_phase"]
     _shot(page, runs, "compare")
+
+
+def test_ops_view_shows_the_op_classes_and_top_ops(page: Browser, server: str, runs: Path) -> None:
+    expected = _route(server, f"ops?run={LIGHTNING}")
+    assert expected["profiled"] and expected["classes"]
+    _show(page, "ops", run=LIGHTNING)
+    assert _in(page, "d.querySelectorAll('#ops-classes tbody tr').length") == len(expected["classes"])
+    assert _in(page, "d.querySelectorAll('#ops-top tbody tr').length") == len(expected["top_ops"])
+    first = _in(page, "d.querySelector('#ops-classes tbody tr td').innerText")
+    assert first == expected["classes"][0]["class"]
+    _shot(page, runs, "ops")
+    _show(page, "ops")  # the demo's 3 steps end before the profiler's window: said so, not an empty table
+    assert "profiled no step" in _in(page, "d.querySelector('#rg-main p.empty').innerText")

@@ -33,12 +33,33 @@ def _guard_run(log_dir: Path, checkpoint_s: float) -> None:
                 time.sleep(checkpoint_s)
 
 
+def _hf_run(log_dir: Path) -> None:
+    """A tiny GPT-2 trained by the Hugging Face Trainer with ``ResourceGuardCallback``, its report in
+    ``log_dir``."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from resource_guard import ResourceGuardCallback
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    data = [{"input_ids": torch.arange(16) % 64, "labels": torch.arange(16) % 64}] * 16
+    args = TrainingArguments(
+        str(log_dir / "out"), use_cpu=True, per_device_train_batch_size=4, max_steps=6, report_to=[],
+        save_strategy="no", disable_tqdm=True, logging_steps=2,
+    )  # fmt: skip
+    callback = ResourceGuardCallback(log_dir=log_dir)
+    Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data, callbacks=[callback]).train()
+
+
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tb_runs")
     _guard_run(root / "fast", checkpoint_s=0.0)
     _guard_run(root / "slow_ckpt", checkpoint_s=0.03)
-    write_lightning_run(root / "light", max_steps=6, log_every_n_steps=2)
+    write_lightning_run(root / "light", max_steps=12, log_every_n_steps=2)  # the profiler window: steps 8-10
+    _hf_run(root / "hf")
     return root
 
 
@@ -64,7 +85,7 @@ LIGHTNING = "light/lightning_logs/version_0"
 
 def test_runs_are_found_where_each_door_writes(logdir: Path, client: Any) -> None:
     names = [r.name for r in find_runs(logdir)]
-    assert names == ["fast", LIGHTNING, "slow_ckpt"]
+    assert names == ["fast", "hf", LIGHTNING, "slow_ckpt"]
     # Lightning's report directory is <trainer.log_dir>/resource_guard; its events are in version_0
     light = next(r for r in find_runs(logdir) if r.name == LIGHTNING)
     assert light.report_dir == logdir / LIGHTNING / "resource_guard"
@@ -73,6 +94,7 @@ def test_runs_are_found_where_each_door_writes(logdir: Path, client: Any) -> Non
     assert status == 200
     assert [(r["name"], r["report"], r["guard"]) for r in runs] == [
         ("fast", True, True),
+        ("hf", True, False),
         (LIGHTNING, True, False),
         ("slow_ckpt", True, True),
     ]
@@ -129,7 +151,8 @@ def test_step_time_of_a_lightning_run(client: Any) -> None:
     status, data = client("/steps", run=LIGHTNING)
     assert status == 200
     assert {"forward", "backward", "optimizer"} <= set(data["series"])
-    assert [b["step"] for b in data["bars"]] == [1, 2, 4, 6]  # log_every_n_steps=2
+    steps = [b["step"] for b in data["bars"]]
+    assert steps[:4] == [1, 2, 4, 6] and all(s % 2 == 0 for s in steps[1:])  # log_every_n_steps=2
 
 
 def test_memory_against_the_capacity_the_plan_used(client: Any, logdir: Path) -> None:
@@ -202,3 +225,37 @@ def test_compare_reports_of_identical_runs_changes_nothing() -> None:
     }
     data = compare_reports(report, report)
     assert data["changed_phase"] is None and data["step_ms"]["delta"] == 0
+
+
+def test_ops_of_a_profiled_run_per_step_with_shares(client: Any) -> None:
+    """The Lightning run profiles its default window: op classes and top operators in ms per step, each
+    share of the profiled step at most 100%, the classes ordered by time."""
+    status, data = client("/ops", run=LIGHTNING)
+    assert status == 200 and data["profiled"] is True and data["steps"] >= 1
+    assert data["classes"] and data["top_ops"]
+    times = [c["ms"] for c in data["classes"]]
+    assert times == sorted(times, reverse=True) and all(t > 0 for t in times)
+    shares = [c["share_pct"] for c in data["classes"]] + [o["share_pct"] for o in data["top_ops"]]
+    assert all(s is not None and 0 < s <= 100 for s in shares)
+    assert any(o["op"].startswith("aten::") for o in data["top_ops"])
+    assert all(o["op"] and o["calls"] >= 1 and o["ms"] > 0 for o in data["top_ops"])
+
+
+def test_ops_of_a_run_that_profiled_nothing(client: Any) -> None:
+    status, data = client("/ops", run="fast")  # profile=False
+    assert status == 200 and data == {"run": "fast", "profiled": False}
+
+
+def test_a_hugging_face_run_is_read_by_every_view(client: Any, logdir: Path) -> None:
+    hf = "hf"
+    status, overview = client("/overview", run=hf)
+    assert status == 200 and overview["verdict_text"]
+    status, steps = client("/steps", run=hf)
+    assert status == 200 and steps["mean_step_ms"] and steps["mean_step_ms"] > 0
+    assert steps["table"] and abs(sum(r["share_pct"] for r in steps["table"]) - 100) < 1
+    status, memory = client("/memory", run=hf)
+    assert status == 200 and memory["capacity_mib"]
+    status, plan = client("/plan", run=hf)  # report_to=[]: the plan's reasons from report.json
+    assert status == 200 and plan["has_plan"] and "precision 32-true" in plan["markdown"]
+    status, ops = client("/ops", run=hf)
+    assert status == 200 and ops["profiled"] in (True, False)

@@ -3,7 +3,7 @@ that serves the views of :mod:`resource_guard.tensorboard_plugin.views` as JSON 
 (``static/``: plain HTML, JavaScript and CSS, nothing fetched from the network).
 
 Routes, below ``/data/plugin/resource_guard``: ``/runs``, ``/overview?run=``, ``/steps?run=``,
-``/memory?run=``, ``/plan?run=``, ``/compare?a=&b=``, ``/memory.png?run=`` and ``/static/*``.
+``/memory?run=``, ``/plan?run=``, ``/ops?run=``, ``/compare?a=&b=``, ``/memory.png?run=`` and ``/static/*``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class ResourceGuardPlugin(base_plugin.TBPlugin):
             "/steps": self._view(views.step_time),
             "/memory": self._view(views.memory),
             "/plan": self._view(views.plan),
+            "/ops": self._view(views.ops),
             "/compare": self._compare,
             "/memory.png": self._picture,
             "/static/*": self._static,

@@ -1,6 +1,6 @@
 """What each view of the Resource Guard tab shows, as JSON-ready dicts in the units people read (ms,
-MiB, %): :func:`overview`, :func:`step_time`, :func:`memory` and :func:`plan`. Plain functions of a
-run's files (:mod:`resource_guard.tensorboard_plugin.runs`); the plugin only serves them.
+MiB, %): :func:`overview`, :func:`step_time`, :func:`memory`, :func:`plan` and :func:`ops`. Plain
+functions of a run's files (:mod:`resource_guard.tensorboard_plugin.runs`); the plugin only serves them.
 
 Unknown is ``None``. Names carry their unit: ``step_ms``, ``share_pct``, ``capacity_mib``.
 
@@ -18,7 +18,7 @@ from resource_guard.report.breakdown import PHASE_LABELS
 from resource_guard.report.types import PHASES
 from resource_guard.tensorboard_plugin.runs import RunEvents, RunFiles, load_events, read_json
 
-__all__ = ["MiB", "overview", "ranked_findings", "step_time", "memory", "plan", "verdict_words"]
+__all__ = ["MiB", "memory", "ops", "overview", "plan", "ranked_findings", "step_time", "verdict_words"]
 
 MiB = 1024**2
 _SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
@@ -238,6 +238,13 @@ def plan(run: RunFiles, events: RunEvents | None = None) -> dict[str, Any]:
     if not p:
         events = load_events(run) if events is None else events
         text = events.texts.get("plan")
+        if text is None:  # no plan text in these events (a Trainer not reporting to TensorBoard): the
+            # plan's reasons the report carries among its notes
+            notes = ((read_json(run.report_path) or {}).get("summary") or {}).get("notes") or []
+            if notes:
+                text = "The plan's reasons and the run's notes (report.json):\n\n" + "\n".join(
+                    f"- {n}" for n in notes
+                )
         return {"run": run.name, "has_plan": text is not None, "markdown": text}
     est: Mapping[str, Any] = p.get("estimate") or {}
     config = [
@@ -291,3 +298,52 @@ def _ckpt(p: Mapping[str, Any]) -> str:
         return "off"
     modules = len(p.get("checkpointed_modules") or ())
     return f"on ({modules} modules)" if every <= 1 else f"every {every} blocks ({modules} modules)"
+
+
+def ops(run: RunFiles) -> dict[str, Any]:
+    """Where the profiled steps' time went by operator (``report.json``'s ``profile``): the op classes
+    (ms per step, their spread over the window's steps, share of the profiled step), the top operators
+    (calls and ms per step) and the call sites of the casts and the host syncs (the user's line of the
+    call, with the module path where a module's forward made it); ``profiled`` is False when the run
+    profiled no step (``profile=False``, or the window never closed)."""
+    report = read_json(run.report_path) or {}
+    profile = (report.get("summary") or {}).get("profile") or {}
+    if not profile or not profile.get("steps"):
+        return {"run": run.name, "profiled": False}
+    step_us = profile.get("step_wall_us")
+    spread = dict(profile.get("op_class_spread_us") or ())
+
+    def share(us: float) -> float | None:
+        return _pct(us / step_us) if step_us else None
+
+    classes = [
+        {
+            "class": name,
+            "ms": _ms(us / 1e6),
+            "spread_ms": _ms(spread[name] / 1e6) if spread.get(name) is not None else None,
+            "share_pct": share(us),
+        }
+        for name, us in profile.get("op_class_us") or ()
+        if us
+    ]
+    top = [
+        {"op": name, "calls": calls, "ms": _ms(us / 1e6), "share_pct": share(us)}
+        for name, calls, us in profile.get("top_ops") or ()
+    ]
+
+    def sites(rows: Any) -> list[dict[str, Any]]:
+        return [{"site": site, "calls": calls, "ms": _ms(us / 1e6)} for site, calls, us in rows or ()]
+
+    return {
+        "run": run.name,
+        "profiled": True,
+        "steps": profile.get("steps"),
+        "step_ms": _ms(step_us / 1e6) if step_us else None,
+        "classes": sorted(classes, key=lambda c: -(c["ms"] or 0.0)),
+        "top_ops": top,
+        "cast_sites": sites(profile.get("cast_sites")),
+        "sync_sites": sites(profile.get("sync_sites")),
+        "stalls": list(profile.get("stalls") or ()),
+        "trace_path": profile.get("trace_path"),
+        "timeline": profile.get("op_timeline"),
+    }

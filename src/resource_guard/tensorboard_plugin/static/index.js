@@ -21,6 +21,7 @@ const VIEWS = [
   ["steps", "Step time"],
   ["memory", "Memory"],
   ["plan", "Plan"],
+  ["ops", "Ops"],
   ["compare", "Compare"],
 ];
 
@@ -278,6 +279,48 @@ async function renderPlan(main) {
   if (data.warnings.length) main.append(el("ul", { class: "notes" }, ...data.warnings.map((w) => el("li", { text: w }))));
 }
 
+async function renderOps(main) {
+  const data = await getJSON(`ops?run=${encodeURIComponent(state.run)}`);
+  if (!data.profiled) {
+    main.append(el("p", { class: "empty", text: "This run profiled no step (profile=False, or it ended before the window closed)." }));
+    return;
+  }
+  const clock = data.timeline === "device" ? "device" : "host";
+  main.append(
+    el("p", {
+      id: "ops-window",
+      text: `${data.steps} profiled step(s), ${fmt(data.step_ms)} ms per profiled step (median); times per step, on the ${clock} clock.`,
+    }),
+  );
+  main.append(
+    el("h3", { text: "By class (ms per step)" }),
+    table(
+      ["class", "ms", "± spread", "share of the step"],
+      data.classes.map((c) => ({ cells: [c.class, fmt(c.ms, 2), fmt(c.spread_ms, 2), c.share_pct === null ? "–" : `${fmt(c.share_pct)}%`] })),
+      { id: "ops-classes" },
+    ),
+  );
+  main.append(
+    el("h3", { text: "Top operators" }),
+    table(
+      ["operator", "calls", "ms", "share of the step"],
+      data.top_ops.map((o) => ({ cells: [o.op, fmt(o.calls, 0), fmt(o.ms, 2), o.share_pct === null ? "–" : `${fmt(o.share_pct)}%`] })),
+      { id: "ops-top" },
+    ),
+  );
+  for (const [key, title] of [["cast_sites", "Casts and copies: call sites"], ["sync_sites", "Host syncs: call sites"]]) {
+    if (!data[key].length) continue;
+    main.append(
+      el("h3", { text: title }),
+      table(["call site", "calls", "ms"], data[key].map((r) => ({ cells: [r.site, fmt(r.calls, 0), fmt(r.ms, 2)] })), { id: `ops-${key}` }),
+    );
+  }
+  if (data.stalls.length) {
+    main.append(el("h3", { text: "Stalls (one op far above its usual time)" }), el("pre", { id: "ops-stalls", text: JSON.stringify(data.stalls, null, 1) }));
+  }
+  if (data.trace_path) main.append(el("p", { class: "notes", text: `Trace: ${data.trace_path} (open in Perfetto or chrome://tracing)` }));
+}
+
 async function renderCompare(main) {
   const others = state.runs.filter((r) => r.report && r.name !== state.run);
   if (!others.length) {
@@ -329,7 +372,7 @@ async function renderCompare(main) {
   );
 }
 
-const RENDER = { overview: renderOverview, steps: renderSteps, memory: renderMemory, plan: renderPlan, compare: renderCompare };
+const RENDER = { overview: renderOverview, steps: renderSteps, memory: renderMemory, plan: renderPlan, ops: renderOps, compare: renderCompare };
 
 async function show() {
   const main = document.getElementById("rg-main");
