@@ -400,3 +400,14 @@ def test_console_script_preflights_the_demo_on_a_catalog_device() -> None:
     assert done.returncode == 0, textwrap.shorten(done.stderr, 2000)
     assert "on a100-40gb (cuda, 40.00 GiB):" in done.stdout and "  FITS, " in done.stdout
     assert "Traceback" not in done.stderr
+
+
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path: Path) -> None:
+    """`resource-guard devices | head -1`: the output outlives its reader; the command ends quietly."""
+    script = "import sys; from resource_guard.cli import main; sys.exit(main(['devices']))"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.close()  # gone before the command prints (its imports take a second): every write fails
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err
+    assert proc.returncode in (0, 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -526,6 +527,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (_BadInput, ResourceGuardError) as exc:
         print(f"resource-guard {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `resource-guard report DIR | head`: the reader has gone, nothing to say
+        # Python flushes stdout again at exit: point it at devnull so that flush cannot fail too
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover
