@@ -66,6 +66,7 @@ _MATMUL_SIZES = (64, 192, 512)  # n of an n×n×n matmul: 0.5, 14 and 268 MFLOP
 _COPY_NUMELS = (2**14, 2**18, 2**22)  # 64 KiB, 1 MiB and 16 MiB of fp32
 _COLD_NUMEL, _COLD_TENSORS = 2**20, 16  # 64 MiB of fp32, past any last-level cache of one core's share
 _LAYOUTS = ("nn", "nt", "tn")
+_MATMUL_POOL_BYTES = 16 * 2**20  # the operands a calibration matmul rotates through: past the caches
 _COPY_NAMES = frozenset(
     {"_to_copy", "copy_", "clone", "contiguous", "cat", "stack", "_copy_from", "index_select", "gather"}
 )
@@ -406,24 +407,40 @@ def _harmonic(points: list[tuple[tuple[float, float], ...]]) -> tuple[tuple[floa
     return tuple((column[0][0], len(column) / sum(1.0 / r for _, r in column)) for column in zip(*points))
 
 
+class _Rotating:
+    """``torch.mm`` over a pool of operand pairs, one pair a call: each call's operands are out of the
+    cache, as a training step's are (its weights and activations were last touched operators ago)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], layout: str) -> None:
+        self.pairs = [(a.t() if layout[0] == "t" else a, b.t() if layout[1] == "t" else b) for a, b in pairs]
+        self.next = 0
+
+    def __call__(self) -> torch.Tensor:
+        a, b = self.pairs[self.next]
+        self.next = (self.next + 1) % len(self.pairs)
+        return torch.mm(a, b)
+
+
 def _measure_matmuls(timer: Callable[[], float]) -> dict[str, tuple[tuple[float, float], ...]]:
-    """Square matmuls per dtype and layout: ``nn``, ``nt`` (a Linear's forward), ``tn`` (its weight grad)."""
+    """Square matmuls per dtype and layout: ``nn``, ``nt`` (a Linear's forward), ``tn`` (its weight grad).
+
+    Each size runs over a pool of operand pairs larger than a core's caches, one pair a call.
+    """
     rates: dict[str, tuple[tuple[float, float], ...]] = {}
     with torch.no_grad():
         for dtype in _CALIBRATED_DTYPES:
-            by_layout = []
-            for layout in _LAYOUTS:
-                points = []
-                for n in _MATMUL_SIZES:
-                    a, b = torch.ones(n, n, dtype=dtype), torch.ones(n, n, dtype=dtype)
-                    a = a.t() if layout[0] == "t" else a
-                    b = b.t() if layout[1] == "t" else b
-                    flops = 2.0 * n**3
-                    seconds = _median_s(functools.partial(torch.mm, a, b), timer, 2 if n > 256 else 8)
-                    points.append((flops, flops / seconds))
+            by_layout: dict[str, list[tuple[float, float]]] = {layout: [] for layout in _LAYOUTS}
+            for n in _MATMUL_SIZES:
+                pair_bytes = 2 * n * n * torch.empty((), dtype=dtype).element_size()
+                count = max(2, min(256, _MATMUL_POOL_BYTES // pair_bytes))
+                pairs = [(torch.ones(n, n, dtype=dtype), torch.ones(n, n, dtype=dtype)) for _ in range(count)]
+                flops = 2.0 * n**3
+                for layout in _LAYOUTS:
+                    seconds = _median_s(_Rotating(pairs, layout), timer, count)
+                    by_layout[layout].append((flops, flops / seconds))
+            for layout, points in by_layout.items():
                 rates[f"{dtype}/{layout}"] = tuple(points)
-                by_layout.append(tuple(points))
-            rates[str(dtype)] = _harmonic(by_layout)
+            rates[str(dtype)] = _harmonic([tuple(p) for p in by_layout.values()])
     return rates
 
 
@@ -465,7 +482,7 @@ def _measure_rnn(
         torch.manual_seed(0)
         lstm = nn.LSTM(width, width, batch_first=True).to(dtype)
         x = torch.randn(1, steps, width, dtype=dtype, requires_grad=True)
-        seconds = _median_s(functools.partial(_lstm_step, lstm, x), timer, 1)
+        seconds = _median_s(functools.partial(_lstm_step, lstm, x), timer, 2, rounds=5)
         flops = 3 * 2.0 * steps * 4 * width * 2 * width  # forward, and twice that backward
         rate = _interpolate(matmul.get(str(dtype)) or matmul["torch.float32"], flops / 3 / steps)
         out[str(dtype)] = max(seconds - flops / rate, 0.0) / (2 * steps)
