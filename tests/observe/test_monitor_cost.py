@@ -77,6 +77,8 @@ def test_the_report_states_the_cost_of_watching(monkeypatch: pytest.MonkeyPatch)
     assert report is not None
     note = next(n for n in report.stats.notes if n.startswith("monitoring cost"))
     assert "% of its" in note and "log boundaries" in note and "host readings" in note
+    assert "profiler window (once per run)" in note
+    assert 0 < mon._profiler_s < mon._own_s  # the window's steps are part of the monitor's own work
     assert mon._own_s > 0  # the boundaries' and the profiler's steps' own clock readings
     loop_s = report.stats.duration_s
     assert loop_s is not None and mon._own_s < loop_s

@@ -214,6 +214,7 @@ class RunMonitor(MonitorOutputs):
         self._started = self._closed = self._broken = False
         self._notes: list[str] = []
         self._own_s = 0.0  # the monitor's own work inside the loop (log boundaries, memory reads, profiler)
+        self._profiler_s = 0.0  # of which the profiler's steps (starting, stopping the window)
         self.close_s: float | None = None  # how long close() took, once closed
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -363,8 +364,10 @@ class RunMonitor(MonitorOutputs):
                     end.record()
                     self._events.append((self._open_event, end))
                 self._open_event = None
-            if self._profiling():
+            if self._profiling():  # a few steps of the run: the window's own cost is timed apart
+                begun = _clock()
                 self._guard("profiler", self._profiler.step, off="_profiler")  # type: ignore[union-attr]
+                self._profiler_s += _clock() - begun
                 own_work = True
             if self._step == 1 or self._step % self.log_every_n_steps == 0:
                 # the interval ends with the step, before the monitor's own work above: that work is

@@ -110,6 +110,7 @@ class MonitorOutputs:
     _own_body: tuple[int, float, float] = (0, 0.0, 0.0)
     _ranks: tuple[dict[str, Any], ...] = ()  # every rank's figures, gathered at close under DDP
     _own_s: float = 0.0  # the monitor's own work inside the loop (set by the monitor)
+    _profiler_s: float = 0.0  # of which the profiler's steps
 
     @property
     def _files_dir(self) -> Path | None:  # the monitor's: where report and OOM files go
@@ -274,11 +275,12 @@ class MonitorOutputs:
         if self._traced_steps and step_s:
             window_s = max(0.0, self._traced_s - self._traced_steps * step_s)
         sampler = self._sampler
-        parts = [f"log boundaries, memory reads and profiler steps {own_s * 1e3:.1f} ms"]
-        if window_s:
+        window = self._profiler_s
+        parts = [f"log boundaries and memory reads {(own_s - window) * 1e3:.1f} ms"]
+        if window or window_s:
             parts.append(
-                f"the profiler window's {self._traced_steps} traced step(s) +{window_s * 1e3:.1f} ms over "
-                "untraced steps (once per run)"
+                f"the profiler window (once per run): starting and stopping it {window * 1e3:.1f} ms, its "
+                f"{self._traced_steps} traced step(s) +{window_s * 1e3:.1f} ms over untraced steps"
             )
         if sampler is not None and sampler.threaded:
             parts.append(f"the sampler thread's readings {sampler.busy_s * 1e3:.1f} ms (on its own thread)")
