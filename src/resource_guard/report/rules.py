@@ -12,7 +12,8 @@ raised a warning). The thresholds are module constants:
   per step.
 - memory-pressure: measured peak > ``MEMORY_PRESSURE_FRACTION`` (90%) of capacity; critical above 97%.
 - precision: ``32-true`` with ``float32_matmul_precision == "highest"`` on a tensor-core GPU.
-- host-to-device: host-to-device copies >= ``H2D_SHARE`` (10%) of the profiled step's wall time.
+- host-to-device: host-to-device copies >= ``H2D_SHARE`` (10%) of the step (:meth:`RunStats.step_us`:
+  the untraced step, what every share of the step divides by).
 - alignment: on a GPU, profiled matmuls with a matrix dimension not a multiple of 8 (reported as
   info) when they take at least ``MISALIGNED_MATMUL_SHARE`` (10%) of the matmul time.
 - estimate-drift: the CUDA allocator's measured peak (``max_memory_allocated``) > the pre-flight
@@ -260,10 +261,10 @@ def rule_precision(s: RunStats) -> Finding | None:
 
 def rule_host_to_device(s: RunStats) -> Finding | None:
     """Host-to-device copies take a large share of the step."""
-    p = s.profile
-    if p is None or not p.step_wall_us or p.h2d_us <= 0:
+    p, step_us = s.profile, s.step_us()  # the untraced step, as every share of the step
+    if p is None or not step_us or p.h2d_us <= 0:
         return None
-    share = p.h2d_us / p.step_wall_us
+    share = min(1.0, p.h2d_us / step_us)
     if share < H2D_SHARE:
         return None
     advice = [
