@@ -6,21 +6,28 @@ its FLOPs and its bytes moved:
 
 - **matmul / conv / attention**: FLOPs by formula (``torch.utils.flop_counter``'s registry; the CPU's
   fused attention ``_scaled_dot_product_flash_attention_for_cpu`` by its two matmuls, its backward by
-  five);
+  five); a matmul's layout (``nt``: a Linear's forward); a fused LSTM layer by its projections and its
+  time steps;
 - **copy** (casts, clones, concatenations) and **elementwise / other**: the bytes of their inputs and
-  outputs;
-- **view** (metadata only): no work, only the dispatch overhead.
+  outputs; autocast's casts, float32 + bfloat16 operators, dropout's ``bernoulli_``, max-pooling and
+  gelu's backward by their own calibrated rates;
+- **view** (metadata only): no kernel.
 
-:func:`cpu_calibration` measures, once per CPU profile and thread count (cached for the process), this
-CPU's matmul throughput per dtype at a few sizes (small matmuls are far from peak), its copy bandwidth
-per dtype at a few sizes (cache-resident copies are faster), and the host time of one operator call.
-An operator's time is then
-
-- ``max(FLOPs / throughput(dtype, size), bytes / bandwidth) + overhead`` for matmul-like classes,
-- ``bytes / bandwidth(dtype, size) + overhead`` for the others,
-
-and a step of ``k`` accumulation micro-steps is ``k × (forward + backward) + optimizer`` (the
+:func:`cpu_calibration` measures, once per CPU profile and thread count (cached for the process; on one
+thread in this thread's CPU time, so a shared machine's load does not move it), in about 1-2 s:
+matmuls per dtype and layout at three sizes over operands out of the cache (small matmuls are far from
+peak), elementwise passes in and out of the cache, casts, the fused attention forward and backward at
+two head sizes, a convolution, an LSTM's time step, and two small **real training steps** (2 and 8
+blocks of Linear, LayerNorm, GELU; AdamW) whose slope gives the host time per traced operator as a step
+pays it (dispatch, autograd's graph and engine, the module calls and the Python between operators),
+their intercept the fixed time per micro-step, and AdamW's update the time per optimizer operator.
+An operator's time is then its kernel (``max(FLOPs / rate(dtype, size, layout), bytes / bandwidth)``;
+the optimizer's states read out of the cache) plus its host time (class ``"framework"``), and a step of
+``k`` accumulation micro-steps is ``k × micro-step + (k − 1) × accumulation + optimizer`` (the
 optimizer's code path as it runs on the CPU). The result is a :class:`StepTimePrediction`, by class.
+
+Checked against real steps by ``benchmarks/plan_quality.py --speed`` (8 models, every fitting
+configuration; ``benchmarks/README.md``).
 
 Example:
     >>> import torch
