@@ -23,6 +23,7 @@ import gzip
 import re
 import shutil
 import statistics
+import sys
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -245,19 +246,53 @@ def op_sites(result: Any) -> dict[tuple[str, int], str]:
 
 def _module_paths(modules: dict[int, str], parents: dict[int, int | None]) -> dict[int, str]:
     """``path (Class)`` of each module pointer seen in the window, from the live root modules (the
-    outermost ones, found among the garbage collector's objects by their address and class): a
-    root that is gone, or an address now held by another object, leaves its modules by class only."""
+    outermost ones, found by their address and class among the modules the calling frames hold, else
+    among the garbage collector's objects): a root that is gone, or an address now held by another
+    object, leaves its modules by class only."""
     roots = {ptr for ptr, up in parents.items() if up is None}
     if not roots:
         return {}
     out: dict[int, str] = {}
-    for obj in gc.get_objects():
+    found: set[int] = set()
+
+    def name_from(obj: Any) -> None:
         if id(obj) in roots and isinstance(obj, torch.nn.Module) and type(obj).__name__ == modules[id(obj)]:
+            found.add(id(obj))
             for name, sub in obj.named_modules(remove_duplicate=False):
                 if id(sub) in modules and id(sub) not in out:
-                    out[id(sub)] = (
-                        f"{name} ({type(sub).__name__})" if name else f"{type(sub).__name__} (the model)"
-                    )
+                    cls = type(sub).__name__
+                    out[id(sub)] = f"{name} ({cls})" if name else f"{cls} (the model)"
+
+    for obj in _held_modules():  # the callers' own references: cheap, and usually all of them
+        name_from(obj)
+    if found != roots:  # else the collector's objects (a few tenths of a second in a large process)
+        for obj in gc.get_objects():
+            if id(obj) in roots and id(obj) not in found:
+                name_from(obj)
+    return out
+
+
+_HOLDERS = ("model", "module", "lightning_module", "_model", "net", "_module")
+
+
+def _held_modules() -> list[Any]:
+    """The modules the calling frames hold: their locals, and a model held by a local (``self.model``
+    of a guard, ``trainer.lightning_module``, ``trainer.model``)."""
+    out: list[Any] = []
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, torch.nn.Module):
+                out.append(value)
+                continue
+            for attr in _HOLDERS:
+                try:
+                    held = getattr(value, attr, None)
+                except Exception:  # a property that raises: not a holder
+                    continue
+                if isinstance(held, torch.nn.Module):
+                    out.append(held)
+        frame = frame.f_back
     return out
 
 
