@@ -20,7 +20,7 @@ from resource_guard import demo
 from resource_guard.devices import resolve_device
 from resource_guard.estimate import estimate_memory
 from resource_guard.planning.checkpointing import apply_checkpointing
-from resource_guard.planning.op_time import cpu_calibration
+from resource_guard.planning.op_time import cpu_calibration, measure_cpu
 from resource_guard.planning.planner import plan
 from resource_guard.step.batching import resize_batch
 
@@ -213,6 +213,14 @@ def main(only: str | None, rounds: int) -> None:
     for name, c, f, gap in gaps:
         print(f"| {name} | {c} | {f} | {gap:+.1%} |")
     within = sum(g <= 0.05 for *_, g in gaps)
+    # the machine's drift while the steps ran: the same calibration measured again now
+    later = measure_cpu()
+    fp32 = [later.matmul_rate(torch.float32, f) / cal.matmul_rate(torch.float32, f) - 1 for f in (5e5, 3e8)]
+    print(
+        f"\ncalibration measured again at the end: fp32 matmul rates {fp32[0]:+.0%} (small) {fp32[1]:+.0%} "
+        f"(large), host time per operator {later.op_overhead_s / cal.op_overhead_s - 1:+.0%} "
+        "(a machine that got slower meanwhile makes the predictions read low)"
+    )
     load = os.getloadavg()
     print(
         f"\nload average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
