@@ -317,5 +317,8 @@ def test_a_busy_machine_is_named_first_and_the_code_can_still_be_healthy() -> No
                "fitting_threads": 1, "node": node}  # fmt: skip
     r = analyze(RunStats(steps=10, step_time_s=0.1, threads=threads))
     assert [f.id for f in r.findings][:2] == ["cpu-contention", "healthy"] and r.verdict == "cpu-contention"
-    slow_input = analyze(RunStats(steps=10, step_time_s=0.1, data_wait_share=0.6, threads=threads))
-    assert slow_input.finding("healthy") is None and slow_input.verdict == "input-bound"  # 60% > 40%
+    # a cause in the code comes before the machine's, whichever costs more: it is what the user can change,
+    # and it is the same verdict on an idle machine (issue #37: the same run, the same verdict)
+    slow_input = analyze(RunStats(steps=10, step_time_s=0.1, data_wait_share=0.2, threads=threads))
+    assert slow_input.finding("healthy") is None
+    assert [f.id for f in slow_input.findings][:2] == ["input-bound", "cpu-contention"]

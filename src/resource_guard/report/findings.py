@@ -117,14 +117,17 @@ _STOPS = ("oom", "shapes")  # the run stopped (or will): fixed before any speed-
 def rank_key(finding: Finding, step_time_s: float | None) -> tuple[int, int, float]:
     """Where ``finding`` goes: ``healthy`` first when present (only info findings beside it); then
     critical ``oom`` and shape stops; then by the time the finding costs (the step minus its predicted
-    step), with findings that cost no measured time after those that do, each group by severity."""
+    step), with findings that cost no measured time after those that do, each group by severity. The
+    machine's findings (:data:`MACHINE_IDS`: other processes' CPU) come after the causes in the code,
+    which the user can change and which stay the same on an idle machine (:func:`analyze` names the
+    machine's cost first when the code is healthy)."""
     severity = -SEVERITIES.index(finding.severity)
     if finding.id == "healthy":
         return (0, severity, 0.0)
     if finding.id in _STOPS and finding.severity == "critical":
         return (1, severity, 0.0)
     if finding.severity != "info" and finding.predicted_step_s is not None and step_time_s:
-        return (2, 0, -(step_time_s - finding.predicted_step_s))
+        return (2, int(finding.id in MACHINE_IDS), -(step_time_s - finding.predicted_step_s))
     return (3, severity, 0.0)
 
 
