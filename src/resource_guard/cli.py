@@ -9,11 +9,13 @@ message, never a traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from resource_guard.cli_input import BadInput as _BadInput
@@ -295,6 +297,25 @@ def _report(args: argparse.Namespace) -> int:
     return report_command(args.logdir, as_json=args.json, as_markdown=args.markdown)
 
 
+@contextlib.contextmanager
+def _summary_left_to_the_report() -> Iterator[None]:
+    """The monitor's end-of-run summary lines, not printed: the demo prints the whole report after it."""
+    import logging
+
+    log = logging.getLogger("resource_guard")
+    saved = (log.level, log.propagate)
+    quiet = logging.NullHandler()
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.addHandler(quiet)
+    try:
+        yield
+    finally:
+        log.removeHandler(quiet)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+
 def _demo(args: argparse.Namespace) -> int:
     from resource_guard.demo import run_demo
 
@@ -304,8 +325,34 @@ def _demo(args: argparse.Namespace) -> int:
     from resource_guard.report.terminal import make_console, render_nofit, render_plan, render_report
 
     console = make_console()
+    limit = args.memory_limit or None
+    print(
+        f"resource-guard demo: {args.steps} optimizer steps of a small GPT (5.3M parameters) on synthetic "
+        "tokens, on this CPU"
+        + (f", planned as if the device had {limit}" if limit else "")
+        + "; planning the step (traced on fake tensors)...",
+        flush=True,
+    )
+    started = time.perf_counter()
+
+    def planned(plan: Any) -> None:
+        render_plan(plan, console)
+        print(f"\ntraining {args.steps} steps...", flush=True)
+
+    def stepped(k: int) -> None:  # a live counter where someone watches; nothing when piped
+        if sys.stderr.isatty():
+            per = (time.perf_counter() - started) / k
+            end = "\n" if k == args.steps else ""
+            sys.stderr.write(
+                f"\r  step {k}/{args.steps}  {per:.2f} s/step  ETA {per * (args.steps - k):.0f} s {end}"
+            )
+            sys.stderr.flush()
+
     try:
-        g = run_demo(args.steps, log_dir=args.log_dir, memory_limit=args.memory_limit or None)
+        with _summary_left_to_the_report():
+            g = run_demo(
+                args.steps, log_dir=args.log_dir, memory_limit=limit, on_plan=planned, on_step=stepped
+            )
     except DoesNotFitError as exc:
         if isinstance(exc.report, NoFitReport):
             render_nofit(exc.report, console)
@@ -313,7 +360,6 @@ def _demo(args: argparse.Namespace) -> int:
             console.print(str(exc))
         return 1
     assert g.plan is not None
-    render_plan(g.plan, console)
     console.print()
     if g.report is not None:
         render_report(g.report, console)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,6 +83,8 @@ def run_demo(
     seq_len: int = 128,
     log_dir: str = "runs/demo",
     memory_limit: str | int | None = "256MiB",
+    on_plan: Callable[[Any], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> Any:
     """Train :class:`TinyGPT` on synthetic tokens under :func:`resource_guard.guard` on this machine.
 
@@ -89,6 +92,8 @@ def run_demo(
     a small GPU), trains ``steps`` effective batches, and writes TensorBoard events, the bottleneck
     report (``report.md``/``report.json``), the memory picture and ``guard.json`` into ``log_dir``.
     Returns the finished :class:`~resource_guard.frontdoors.context.Guard` (``g.plan``, ``g.report``).
+    ``on_plan(plan)`` is called once the run is planned, before its first step; ``on_step(k)`` after
+    each optimizer step.
     """
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -104,9 +109,16 @@ def run_demo(
     def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
         return m(*batch)
 
+    stepped = 0
     with guard(model, optimizer, loss_fn=loss_fn, memory_limit=memory_limit, log_dir=log_dir) as g:
         for batch in g.iterate(loader):
+            if on_plan is not None and g.plan is not None:
+                on_plan(g.plan)
+                on_plan = None
             with g.autocast():
                 loss = loss_fn(model, batch)
-            g.backward(loss)
+            if g.backward(loss):
+                stepped += 1
+                if on_step is not None:
+                    on_step(stepped)
     return g

@@ -321,7 +321,8 @@ def test_the_guard_keeps_the_loops_precision_unless_asked() -> None:
     with guard(model, optimizer, sample_batch=batch, device="cpu", monitor=False) as g:
         pass
     assert g.plan is not None and g.plan.precision == "32-true"
-    assert any("the loop's own" in line for line in g.plan.reasons)
+    said = [line for line in g.plan.reasons if line.startswith("precision ")]
+    assert len(said) == 1 and "the loop's own" in said[0]  # not "as asked": nobody asked
     double = nn.Linear(8, 2).double()
     optimizer = torch.optim.SGD(double.parameters(), lr=0.1)
     batch64 = (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64))
@@ -343,6 +344,11 @@ def test_an_autocasting_unchanged_loop_is_planned_in_its_autocast() -> None:
         loss.backward()
         optimizer.step()
     assert g.plan is not None and g.plan.precision == "bf16-mixed"
+    said = [line for line in g.plan.reasons if line.startswith("precision ")]
+    assert said == [
+        "precision bf16-mixed: the loop's own (its autocast, else its parameters' dtype); "
+        "`precision='auto'` lets the guard choose, a name sets it"
+    ]
 
 
 def accumulation_loop_peak_bytes(steps: int, accumulation: int) -> int:

@@ -55,7 +55,7 @@ from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.frontdoors.guard.args import check_device_and_catalog, check_log_dir, torch_device_of
 from resource_guard.frontdoors.guard.batches import MicroBatches, expect_steps, to_device
 from resource_guard.frontdoors.guard.evaluation import EvalMode, preflight_eval
-from resource_guard.frontdoors.guard.observed import LoopWatch, loop_precision, outputs_as_kept
+from resource_guard.frontdoors.guard.observed import LoopWatch, loop_precision, outputs_as_kept, own_precision
 from resource_guard.frontdoors.guard.setup import (
     flops_per_sample,
     make_plan,
@@ -309,10 +309,7 @@ class Guard:
             self.model, self._planned_optimizers, batch, loss_fn, target, kwargs
         )
         if own:
-            self.plan = self._with_reasons(
-                f"precision {self.plan.precision}: the loop's own (its parameters' dtype); "
-                "`precision='auto'` lets the guard choose, a precision name sets it"
-            )
+            self.plan = own_precision(self.plan, "the loop's own (its parameters' dtype)")
         if self._eval_sample is not None:  # the evaluation to come, before any step
             self._preflight_eval(self._eval_sample, later=True)
         if self._monitor_on:  # model FLOPs, before checkpointing adds its recomputation

@@ -64,12 +64,26 @@ __all__ = [
     "gradients_kept_plan",
     "loop_precision",
     "outputs_as_kept",
+    "own_precision",
     "plan_as_run",
     "plan_recorded",
 ]
 
 _clock = time.perf_counter
 _TRUE = {torch.float64: "64-true", torch.bfloat16: "bf16-true", torch.float16: "16-true"}
+
+
+def own_precision(plan: Any, whose: str = "the loop's own") -> Any:
+    """``plan`` with its precision reason saying where the precision came from: the planner, given the
+    loop's precision, says "as asked", which the user never did."""
+    import dataclasses
+
+    said = f"precision {plan.precision}: {whose}; `precision='auto'` lets the guard choose, a name sets it"
+    asked = f"precision {plan.precision}: as asked"
+    reasons = [said if r.startswith(asked) else r for r in plan.reasons]
+    if said not in reasons:
+        reasons.append(said)
+    return dataclasses.replace(plan, reasons=tuple(reasons))
 
 
 def loop_precision(model: nn.Module, device_type: str) -> str:
@@ -684,6 +698,7 @@ def plan_as_run(
     loss.keep_outputs = keep_outputs
     with torch.autocast(own.type, enabled=False):  # the trace applies the loop's precision itself
         made, device = make_plan(traced, optimizers, batch, loss, rows, kw)
+    made = own_precision(made, "the loop's own (its autocast, else its parameters' dtype)")
     if dim_reason is not None:
         made = dataclasses.replace(made, reasons=(*made.reasons, dim_reason))
     if made.micro_batch_size < rows:
@@ -734,7 +749,8 @@ def plan_recorded(
     kw = dict(plan_kwargs)
     if kw.get("device", "auto") == "auto":
         kw["device"] = str(own)
-    if kw.get("precision") is None:
+    own_dtype = kw.get("precision") is None
+    if own_dtype:
         kw["precision"] = loop_precision(model, own.type)
     kw["checkpointing"] = False
     # the loop's batch cannot be split (no accumulation): what the search said of smaller micro-batches
@@ -749,6 +765,8 @@ def plan_recorded(
                 f"fit; {error}",
                 error.report,
             ) from None
+    if own_dtype:
+        made = own_precision(made, "the loop's own (its autocast, else its parameters' dtype)")
     if made.micro_batch_size >= rows:
         for warning in said:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
