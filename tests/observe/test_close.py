@@ -45,7 +45,7 @@ def test_at_most_one_end_of_run_probe(tmp_path: Path, monkeypatch: pytest.Monkey
     """A for-loop optimizer worth its probe and oversubscribed threads: the optimizer's probe runs, the
     threads' is left out with a note (each is bounded to about half a second)."""
     calls: list[str] = []
-    monkeypatch.setattr(outputs, "foreach_probe", lambda opt: calls.append("optimizer") or None)
+    monkeypatch.setattr(outputs, "foreach_probe", lambda opt, step_s=None: calls.append("optimizer") or None)
     monkeypatch.setattr(threads, "oversubscription_slowdown", lambda *a, **k: calls.append("threads") or 2.0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(20)])  # 40 parameter tensors
     monitor = RunMonitor(tmp_path, interval_s=0.05, profile=False, summary=False, phase_timing=True)

@@ -77,3 +77,19 @@ def test_no_fraction_without_a_foreach_path_or_parameters() -> None:
     assert foreach_probe(Plain(_params())) is None
     frozen = [torch.nn.Parameter(torch.zeros(3), requires_grad=False)]
     assert foreach_probe(torch.optim.AdamW(frozen, foreach=False)) is None
+
+
+def test_the_probe_costs_the_close_what_its_budget_allows(monkeypatch) -> None:
+    """Given the run's measured step, the probe steps fewer tensors (every k-th, scaled by k) so that its
+    few steps fit the budget: a step of 1 s and a budget of 0.3 s leave a twentieth of 200 tensors."""
+    params = [torch.nn.Parameter(torch.zeros(16, 16)) for _ in range(200)]
+    optimizer = _Recording(params, foreach=False)
+    _Recording.made.clear()
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(optimizer_facts.time, "perf_counter", lambda: float(next(ticks)))
+    probe = foreach_probe(optimizer, step_s=1.0)
+    assert [len(shapes) for _, shapes in _Recording.made] == [10, 10]  # stride ceil(6 * 1.0 / 0.3) = 20
+    assert probe == {"for_loop_s": 20.0, "foreach_s": 20.0}
+    _Recording.made.clear()
+    foreach_probe(optimizer, step_s=1e-4)  # a cheap step: the element cap alone decides (all 200)
+    assert [len(shapes) for _, shapes in _Recording.made] == [200, 200]

@@ -23,7 +23,8 @@ __all__ = ["describe_optimizer", "foreach_probe"]
 
 _PROBE_ELEMENTS = 2**21  # elements of the probe's parameters (8 MiB in fp32; x4 with grads and Adam's state)
 _PROBE_REPEATS = 5  # interleaved for-loop / for-each steps; the fastest of each counts
-_PROBE_BUDGET_S = 0.5  # fewer repeats once over it (a large model's for-loop step)
+_PROBE_BUDGET_S = 0.3  # what the probe may cost the run's close: fewer tensors, then fewer repeats
+_PROBE_MIN_STEPS = 6  # two paths: a first step each (the state), then at least two timed steps each
 
 
 def describe_optimizer(optimizer: Any) -> dict[str, Any]:
@@ -50,7 +51,7 @@ def describe_optimizer(optimizer: Any) -> dict[str, Any]:
     }
 
 
-def foreach_probe(optimizer: Any) -> dict[str, float] | None:
+def foreach_probe(optimizer: Any, step_s: float | None = None) -> dict[str, float] | None:
     """The optimizer's step on its for-loop and on the for-each path, in seconds (``for_loop_s``,
     ``foreach_s``): measured once, on tensors shaped like its parameters (same dtypes and device), with
     its class and defaults, ``foreach=False`` against ``foreach=True``, fastest of a few interleaved
@@ -60,7 +61,10 @@ def foreach_probe(optimizer: Any) -> dict[str, float] | None:
     optimizer and this machine (for-each takes 0.4 to 0.8 of the for-loop's time for AdamW over 360
     small tensors on a 2-core CPU), so it is measured rather than assumed. Where the parameters hold
     more than ``_PROBE_ELEMENTS`` elements, every k-th tensor is stepped and both times are scaled by
-    k. ``None`` where the class takes no ``foreach`` or a step fails.
+    k. ``step_s``, the run's measured optimizer step, bounds the probe's cost: k is raised until its
+    ``_PROBE_MIN_STEPS`` steps on 1/k of the tensors fit ``_PROBE_BUDGET_S`` (a 1.4 s AdamW step of a
+    loaded CPU: 3.9 s of probe at k = 3, about 0.3 s at k = 28). ``None`` where the class takes no
+    ``foreach`` or a step fails.
     """
     params = [p for g in getattr(optimizer, "param_groups", ()) for p in g.get("params", ())]
     params = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad and not p.is_meta]
@@ -69,6 +73,9 @@ def foreach_probe(optimizer: Any) -> dict[str, float] | None:
         return None
     total = sum(p.numel() for p in params)
     stride = max(1, math.ceil(total / _PROBE_ELEMENTS))
+    if step_s is not None and step_s > 0:  # the run's own step says what a full probe step costs
+        stride = max(stride, math.ceil(_PROBE_MIN_STEPS * step_s / _PROBE_BUDGET_S))
+    stride = min(stride, len(params))
     chosen = params[::stride]
     try:  # the constructor's own arguments (AdamW's defaults hold a key its __init__ does not take)
         accepted = inspect.signature(type(optimizer)).parameters

@@ -305,9 +305,10 @@ class MonitorOutputs:
         for optimizer in self.optimizers:
             facts = describe_optimizer(optimizer)
             if worth and not self._probed and facts["for_loop"] and facts["tensors"] >= FOR_LOOP_MIN_TENSORS:
-                self._probed = True  # at most one end-of-run probe (each is bounded to about 0.5 s)
+                self._probed = True  # at most one end-of-run probe, bounded by the measured step
+                per_step = phase / max(1, len(self.optimizers))
                 with self._close_part("optimizer probe"):
-                    facts.update(foreach_probe(optimizer) or {})
+                    facts.update(foreach_probe(optimizer, per_step) or {})
             out.append(facts)
         return tuple(out)
 
