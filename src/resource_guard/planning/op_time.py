@@ -84,6 +84,8 @@ _TRANSCENDENTAL = (
 # operators far slower than their bytes say (random numbers; bfloat16 max-pooling and gelu's backward),
 # timed by elements
 _NAMED_RATES = ("bernoulli_", "max_pool2d_with_indices", "gelu_backward")
+# operators the fake trace shows that a real step does not pay for (a fresh gradient's detach, aliases)
+_TRACE_ONLY = frozenset({"detach", "alias", "lift_fresh", "sym_size"})
 _NO_WORK = frozenset(
     {"detach", "alias", "_unsafe_view", "empty", "empty_like", "empty_strided", "lift_fresh", "sym_size"}
 )
@@ -574,9 +576,9 @@ def _measure_step_overheads(
                 opt_times.append(t2 - t1)
         points.append(
             (
-                len(ops.micro_step),
+                sum(w.name not in _TRACE_ONLY for w in ops.micro_step),
                 statistics.median(micro_times) - kernels.micro_step_s,
-                len(ops.optimizer),
+                sum(w.name not in _TRACE_ONLY for w in ops.optimizer),
                 statistics.median(opt_times) - kernels.optimizer_s,
             )
         )
@@ -761,6 +763,8 @@ def _kernel_seconds(w: OpWork, cal: CpuCalibration) -> float:
         return max(w.flops / conv_rate, memory)
     if w.variant == "rnn":  # one small matmul per time step, each paying a fixed cost
         per_step = cal.rnn_step_s.get(str(w.dtype)) or cal.rnn_step_s.get("torch.float32", 0.0)
+        # the weights are read again at every step, from the cache: the bandwidth of one step's bytes
+        memory = w.bytes / cal.bandwidth(w.dtype, w.bytes / w.steps) if w.bytes else 0.0
         return max(w.flops / cal.matmul_rate(w.dtype, w.flops / w.steps), memory) + w.steps * per_step
     if w.op_class in _MATMUL_LIKE and w.flops:
         return max(w.flops / cal.matmul_rate(w.dtype, w.flops, w.variant), memory)
@@ -769,6 +773,8 @@ def _kernel_seconds(w: OpWork, cal: CpuCalibration) -> float:
 
 def _overhead_seconds(w: OpWork, cal: CpuCalibration) -> float:
     """The host time around the kernel, as a training step pays it (see :class:`CpuCalibration`)."""
+    if w.name in _TRACE_ONLY:
+        return 0.0
     if w.phase == "optimizer":
         return cal.optimizer_op_overhead_s or cal.op_overhead_s
     return cal.op_overhead_s
