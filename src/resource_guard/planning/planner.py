@@ -326,7 +326,7 @@ def plan(
             :class:`~resource_guard.planning.op_time.OpTimeModel`, on this machine's CPU, with
             ``precision="auto"`` choosing between 32-true and bf16-mixed by it; the rule elsewhere) or
             a model with a ``predict`` method. Opt-in: ``plan_quality.py --speed`` finds its choice the
-            fastest measured for 8/8 models, its step times within a median 11-16% on a shared CPU, and
+            fastest measured for 8/8 models, its step times within a median 8-16% on a shared CPU, and
             its planning 2-9× the rule's (a trace per configuration, a ~2 s calibration per process).
 
     Returns:
