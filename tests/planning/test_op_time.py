@@ -286,3 +286,26 @@ def test_a_recurrent_layer_pays_per_time_step() -> None:
     assert op_time._kernel_seconds(rnn[0], slower) - op_time._kernel_seconds(rnn[0], cal) == pytest.approx(
         12e-5
     )
+
+
+def test_the_reason_names_host_time_when_fewer_micro_steps_win() -> None:
+    """Micro-steps that cost the same host time each: the largest that fits wins by host time."""
+
+    class HostBound(_FakeModel):
+        def predict(self, model, optimizer, batch, loss_fn, *, precision, checkpoint_every):
+            micro = batch.shape[0]
+            return StepTimePrediction(
+                0.001 + 0.0001 * micro, 0.0, {"framework": 0.001, "matmul": 0.0001 * micro}
+            )
+
+    batch, loss = torch.randn(16, 64, 32), lambda m, b: m(b).square().mean()
+    kw = dict(device="cpu", precision="32-true", memory_limit=4 * 2**20, headroom=0.0)
+    rule = plan(_mlp(), torch.optim.AdamW, batch, loss, step_time="rule", **kw)
+    p = plan(_mlp(), torch.optim.AdamW, batch, loss, step_time=HostBound(0), **kw)
+    assert p.micro_batch_size == rule.micro_batch_size > 1  # fewest micro-steps: the largest that fits
+    why = next(r for r in p.reasons if r.startswith("fastest that fits"))
+    assert "next:" in why and "host time around the operators" in why
+    timed = [a for a in p.alternatives if a.predicted_step_ms is not None]
+    assert len(timed) > 1 and [a.predicted_step_ms for a in timed] == sorted(
+        a.predicted_step_ms for a in timed
+    )
