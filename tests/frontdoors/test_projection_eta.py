@@ -23,8 +23,8 @@ def _loader(rows: int = 32, batch: int = 8) -> DataLoader:
 
 def test_total_batches_reads_lightnings_estimate():
     assert (
-        _total_batches(types.SimpleNamespace(estimated_stepping_batches=10, accumulate_grad_batches=2)) == 20
-    )
+        _total_batches(types.SimpleNamespace(estimated_stepping_batches=10, accumulate_grad_batches=2)) == 10
+    )  # a step is an optimizer step (Lightning's estimate already counts them): not x accumulation
     assert _total_batches(types.SimpleNamespace(estimated_stepping_batches=float("inf"))) is None
 
     class NoLength:

@@ -220,9 +220,10 @@ def build_monitor(
     shapes: Any,
     flops_per_step: float | None = None,
 ) -> Any:
-    """The :class:`~resource_guard.RunMonitor` of a Trainer run (not started): one step per micro-batch,
-    the plan's estimate and capacity, the loader's settings from ``args``, the micro-step's model FLOPs
-    (MFU where the device's peak is known); only process zero writes."""
+    """The :class:`~resource_guard.RunMonitor` of a Trainer run (not started): one step per optimizer step
+    (the Trainer's ``global_step``, its loggers' x-axis), the plan's estimate and capacity, the loader's
+    settings from ``args``, the step's model FLOPs (``flops_per_step``: one micro-step's, times the
+    accumulation; MFU where the device's peak is known); only process zero writes."""
     from resource_guard.observe.monitor import RunMonitor
 
     device = torch.device(args.device)
@@ -248,11 +249,13 @@ def build_monitor(
             "prefetch_factor": args.dataloader_prefetch_factor,
         },
         precision=made.precision,
-        flops_per_step=flops_per_step,
+        flops_per_step=flops_per_step * max(1, int(args.gradient_accumulation_steps))
+        if flops_per_step
+        else None,
         phase_timing=True,  # switched at the Trainer's boundaries (frontdoors/hf_phases.py)
     )
     max_steps = int(getattr(state, "max_steps", 0) or 0)
-    monitor.total_steps = max_steps * args.gradient_accumulation_steps if max_steps > 0 else None
+    monitor.total_steps = max_steps if max_steps > 0 else None
     monitor.shape_stats = shapes.stats if shapes is not None else None
     for line in made.reasons:
         monitor.note(line)

@@ -294,10 +294,10 @@ class ResourceGuardCallback(TrainerCallback):
             self._start_monitor(args, state, train_dataloader)
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # a micro-batch of an accumulating step: its phases end, the monitor's step (an optimizer step,
+        # the Trainer's global_step) goes on
         if self._phases is not None:
             self._phases.substep_end()
-        if self._monitor is not None:
-            self._monitor.step_end()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._phases is not None:

@@ -175,6 +175,7 @@ class ResourceGuard(Callback):
         self._restored: ap.Decisions | None = None
         self._applied: ap.Applied | None = None
         self._monitor: Any = None
+        self._global_step = 0  # trainer.global_step at the last batch's end: a change is an optimizer step
         self._phases: Any = None  # the LightningPhases switching the monitor's phase clock, while fitting
         self._fixed = ap.Fixed()
         self._evals = EvalPreflights()  # validation/test/predict pre-flights (frontdoors/lightning_eval.py)
@@ -446,12 +447,13 @@ class ResourceGuard(Callback):
             precision=str(trainer.precision) if str(trainer.precision) in PRECISIONS else None,
             memory_history=self.memory_history,
             phase_timing=True,  # switched at Lightning's own boundaries (frontdoors/lightning_phases.py)
-            flops_per_step=(
-                self._flops_per_sample * self.decisions.micro_batch_size
+            flops_per_step=(  # a step is an optimizer step: its micro-batches' FLOPs
+                self._flops_per_sample * self.decisions.micro_batch_size * _accumulation(trainer, pl_module)
                 if self._flops_per_sample and self.decisions is not None
                 else None
             ),
         )
+        self._global_step = trainer.global_step
         self._monitor.total_steps = _total_batches(trainer)
         self._monitor.shape_stats = self._shapes.stats if self._shapes is not None else None
         self._monitor.optimizers = tuple(trainer.optimizers)
@@ -475,7 +477,11 @@ class ResourceGuard(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._monitor is not None:
+        # one step is an optimizer step, as Lightning's global_step counts (its loggers' x-axis): a batch
+        # that only accumulated ends none; a manual-optimization batch is a step
+        stepped = trainer.global_step != self._global_step
+        self._global_step = trainer.global_step
+        if self._monitor is not None and (stepped or not pl_module.automatic_optimization):
             self._monitor.step_end()
 
     # -- tear-down -----------------------------------------------------------------------------------
@@ -604,12 +610,19 @@ def _flops_per_sample(
     return flops / size if flops and size else None
 
 
+def _accumulation(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+    """Batches per optimizer step: ``accumulate_grad_batches`` (automatic optimization), else one."""
+    if not getattr(pl_module, "automatic_optimization", True):
+        return 1
+    return max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
+
+
 def _total_batches(trainer: pl.Trainer) -> int | None:
-    """Training batches the fit will run (the monitor's steps), for the report's ETA; None if unbounded."""
+    """Optimizer steps the fit will run (the monitor's steps), for the report's ETA; None if unbounded."""
     try:
         steps = float(trainer.estimated_stepping_batches)
     except Exception:  # no loader length yet (iterable datasets), or Lightning could not tell
         return None
     if not math.isfinite(steps) or steps <= 0:
         return None
-    return int(steps) * max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
+    return int(steps)
