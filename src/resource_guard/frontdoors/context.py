@@ -688,7 +688,7 @@ class Guard:
         if self._ckpt is not None:
             self._ckpt.remove()
             self._ckpt = None
-        if self._log_dir is not None and self.plan is not None:
+        if self._log_dir is not None and self.plan is not None and _rank() == 0:  # one writer per log dir
             self._log_dir.mkdir(parents=True, exist_ok=True)
             (self._log_dir / "guard.json").write_text(json.dumps(self.summary(exc), indent=2, default=str))
 
@@ -706,6 +706,13 @@ class Guard:
         if self._watch is not None:
             out["observed"] = self._watch.facts()
         return out
+
+
+def _rank() -> int:
+    """This process's rank under ``torch.distributed`` (0 without a process group)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def guard(
