@@ -6,7 +6,8 @@ its cause (``predicted_step_s``, "about N% faster"). The thresholds, each with i
 
 - casts: copies and dtype casts (``aten::copy_``, ``aten::to``, ``_to_copy``; on a GPU copy kernels
   and device-to-device copies), their median time over the profiled steps over the run's untraced
-  step time (:meth:`RunStats.step_us`, what every share here divides by), >= ``CASTS_SHARE``.
+  step time (:meth:`RunStats.step_us`, what every share here divides by), less their spread over
+  those steps (the share must hold across the window), >= ``CASTS_SHARE``.
 - host-sync: on a GPU timeline only, device idle time in the gaps opened by host-device syncs >=
   ``HOST_SYNC_SHARE``. On a CPU a ``.item()`` reads memory and waits for nothing: no finding.
 - stall: single op calls far slower than their kind in the profiled window (info; the shares count
@@ -142,9 +143,13 @@ def rule_casts(s: RunStats) -> Finding | None:
     steps (so that the share holds in at least half of them), stated with its spread."""
     p = s.profile
     share = p.class_share("casts", s.step_time_s) if p is not None else None
-    if p is None or share is None or share < CASTS_SHARE:
+    if p is None or share is None:
         return None
     spread = p.class_spread("casts", s.step_time_s)
+    # it must hold across the window: the median less the steps' spread still reaches the threshold (a
+    # share that only the noise of a few steps carries over it flips from run to run)
+    if share - (spread or 0.0) < CASTS_SHARE:
+        return None
     # the other op classes stay: scaled together with the casts into the step, they are the floor
     floor = _other_ops_share(p, "casts", s.step_time_s)
     share = min(share, 1.0 - (floor or 0.0))
