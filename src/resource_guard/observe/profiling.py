@@ -273,14 +273,23 @@ def _module_paths(modules: dict[int, str], parents: dict[int, int | None]) -> di
 
 
 _HOLDERS = ("model", "module", "lightning_module", "_model", "net", "_module")
+# the frames read: ours and the frameworks' (a guard's ``self``, Lightning's ``trainer``), never the user's.
+# On Python < 3.13 reading ``frame.f_locals`` stores a snapshot of the locals on a frame that goes on
+# running: a user's frame would then keep what it later ``del``s (a DataLoader's iterator, with its
+# worker processes and feeder threads) alive until it returns
+_FRAMEWORKS = ("resource_guard", "lightning", "pytorch_lightning", "transformers", "accelerate")
 
 
 def _held_modules() -> list[Any]:
-    """The modules the calling frames hold: their locals, and a model held by a local (``self.model``
-    of a guard, ``trainer.lightning_module``, ``trainer.model``)."""
+    """The modules the calling frames of this package and the frameworks hold: their locals, and a
+    model held by a local (``self.model`` of a guard, ``trainer.lightning_module``, ``trainer.model``)."""
     out: list[Any] = []
     frame: Any = sys._getframe(1)
     while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.split(".", 1)[0] not in _FRAMEWORKS:
+            frame = frame.f_back
+            continue
         for value in list(frame.f_locals.values()):
             if isinstance(value, torch.nn.Module):
                 out.append(value)

@@ -72,7 +72,8 @@ _CAPACITY_COLOR = "#dc0000"
 _CATEGORY_COLORS = ("C0", "C1", "C2", "C4", "C8", "C5", "C7", "C9", "C6", "C3")
 _MIN_LABELLED_SPAN = 0.06  # a phase shorter than this share of the step gets its line, not its name
 _OFF_SCALE = 4.0  # a capacity more than this many times the peak (a CPU's RAM) is written, not drawn
-_POLL_S = 0.05  # the flusher's own wake-up period: a boundary's events are written within this
+_POLL_S = 0.05  # how often a training thread waiting for the flusher checks it is still alive
+_IDLE_S = 5.0  # the flusher's own wake-up when nothing is handed over (it is woken for each job)
 _DRAIN_TIMEOUT_S = 60.0  # a flusher that has not written a log interval's events in this long is stuck
 
 
@@ -219,11 +220,12 @@ def _flush_writer(writer: Any) -> None:
 class _Flusher:
     """A daemon thread that runs the jobs handed to it (writer calls), then flushes the writer.
 
-    It wakes on its own every ``_POLL_S`` (the training thread hands a job over with a deque append,
-    no thread wake-up, no lock); :meth:`submit` first makes sure the jobs handed over before it are
-    done (normally long done: the flusher had a whole log interval), waking the flusher and waiting
-    only when they are not, so that they are on disk by the next log boundary, and raises the error
-    of a job that failed. The interpreter's exit drains it (``atexit``).
+    It sleeps until a job is handed over (a log boundary: a deque append and one event set) and
+    otherwise wakes only every ``_IDLE_S``: a thread waking 20 times a second (the former poll) competes
+    with the compute threads for the cores on a CPU run. :meth:`submit` first makes sure the jobs
+    handed over before it are done (normally long done: the flusher had a whole log interval), waiting
+    only when they are not, so that they are on disk by the next log boundary, and raises the error of a
+    job that failed. The interpreter's exit drains it (``atexit``).
     """
 
     def __init__(self, writer: Any) -> None:
@@ -243,6 +245,7 @@ class _Flusher:
         self.wait()
         self._submitted += 1
         self._jobs.append((job, flush))
+        self._wake.set()
 
     def wait(self) -> None:
         """Return once every submitted job is done; raise the error of one that failed."""
@@ -263,7 +266,7 @@ class _Flusher:
 
     def _run(self) -> None:
         while not self._stopping:
-            self._wake.wait(_POLL_S)
+            self._wake.wait(_IDLE_S)
             self._wake.clear()
             self._drain()
 
