@@ -64,6 +64,7 @@ from resource_guard.frontdoors.guard.setup import (
 )
 from resource_guard.frontdoors.guard.stepper import Stepper
 from resource_guard.frontdoors.guard.summary import run_summary
+from resource_guard.observe.loader_settings import loader_settings
 from resource_guard.step.batching import split_batch
 from resource_guard.step.precision import autocast_context, parse_precision
 from resource_guard.step.training import LossFn, StandInLoss, batch_size_of
@@ -526,6 +527,7 @@ class Guard:
             if self.plan is None:
                 self._setup(batch, loader)
                 expect_steps(self._monitor, loader)
+                self._call_monitor("set_loader_info", loader_settings(loader))  # the advice reads them
             if self._flops_per_sample is not None and self._monitor is not None:
                 # the monitor's step is one loader batch: MFU from the FLOPs of that many samples
                 self._monitor.flops_per_step = self._flops_per_sample * (batch_size_of(batch) or 1)

@@ -257,6 +257,9 @@ def build_monitor(
     max_steps = int(getattr(state, "max_steps", 0) or 0)
     monitor.total_steps = max_steps if max_steps > 0 else None
     monitor.shape_stats = shapes.stats if shapes is not None else None
+    from resource_guard.report.plan_advice import plan_rows
+
+    monitor.plan_rows = plan_rows(made)  # the advice quotes the configuration it recommends
     for line in made.reasons:
         monitor.note(line)
     return monitor

@@ -455,6 +455,10 @@ class ResourceGuard(Callback):
         )
         self._global_step = trainer.global_step
         self._monitor.total_steps = _total_batches(trainer)
+        if made is not None:  # the advice quotes the configuration it recommends from the plan's table
+            from resource_guard.report.plan_advice import plan_rows
+
+            self._monitor.plan_rows = plan_rows(made)
         self._monitor.shape_stats = self._shapes.stats if self._shapes is not None else None
         self._monitor.optimizers = tuple(trainer.optimizers)
         self._monitor.start()

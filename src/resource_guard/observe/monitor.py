@@ -274,15 +274,27 @@ class RunMonitor(MonitorOutputs):
             self.phases = PhaseClock(now, _clock)
         self._timer = StepTimer(now)
 
-    def _read_settings(self) -> None:
-        """Threads against cores, and dynamo's counters (the difference is taken at close)."""
-        workers = self.loader_info.get("num_workers")
+    def set_loader_info(self, info: Mapping[str, Any]) -> None:
+        """The loader's settings, once the door reaches the loader (``g.iterate(loader)``, after
+        ``start``): the report's loader advice and the threads' demand (its workers) use them."""
+        if not info:
+            return
+        self.loader_info.update(info)
+        if self._timer is not None:  # started: the demand was read with no workers
+            workers = self.loader_info.get("num_workers")
+            self._guard("thread and compile figures", self._thread_demand, workers)
+
+    def _thread_demand(self, workers: Any) -> None:
         self._threads = thread_demand(
             intra_op=torch.get_num_threads(),
             processes=local_processes(self.world_size),
             workers=workers if isinstance(workers, int) else 0,
             cores=available_cores(),
         )
+
+    def _read_settings(self) -> None:
+        """Threads against cores, and dynamo's counters (the difference is taken at close)."""
+        self._thread_demand(self.loader_info.get("num_workers"))
         self._compile_start = compile_counters()
 
     def _watch_memory(self) -> None:

@@ -87,6 +87,7 @@ class MonitorOutputs:
     _traced_steps: int = 0  # steps the profiler traced, left out of the intervals
     _traced_s: float = 0.0
     optimizers: Any = ()  # set by a front door: its optimizers, described at close (optimizer-step)
+    plan_rows: Any = ()  # set by a front door: its plan's table, quoted by the advice (plan_advice.py)
     _history: bool
     _guard: Callable[..., Any]
     _comparable_estimate: int | None = None  # cached by _estimated_peak_bytes
@@ -250,6 +251,8 @@ class MonitorOutputs:
             duration = None if stats.duration_s is None else stats.duration_s + self._traced_s
             stats = dataclasses.replace(stats, steps=stats.steps + self._traced_steps, duration_s=duration)
         stats = self._with_phases(stats)
+        if self.plan_rows:  # the plan's table, for advice that quotes the configuration it recommends
+            stats = dataclasses.replace(stats, plan_rows=tuple(self.plan_rows))
         if self.optimizers:  # the front door's optimizers: which step implementation runs
             facts = self._guard("optimizer facts", self._optimizer_facts, stats)
             stats = dataclasses.replace(stats, optimizers=facts or ())

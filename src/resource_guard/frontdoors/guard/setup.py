@@ -130,6 +130,9 @@ def start_monitor(
             phase_timing=True,  # the guard switches the monitor's phase clock at its boundaries
         )
         monitor.shape_stats = shapes.stats if shapes is not None else None
+        from resource_guard.report.plan_advice import plan_rows
+
+        monitor.plan_rows = plan_rows(plan)  # the advice quotes the configuration it recommends
         monitor.optimizers = optimizers
         monitor.start()
         return monitor
@@ -163,7 +166,7 @@ def flops_per_sample(
             warnings.warn(f"resource_guard: no MFU: {error!r}", ResourceGuardWarning, stacklevel=3)
             return None
     else:
-        flops = count_flops(model, batch, loss_fn)
+        flops = count_flops(model, batch, loss_fn, remedy=None)  # guard takes no flops_per_step
     return flops / size if flops else None
 
 
