@@ -34,7 +34,9 @@ SCRIPT = textwrap.dedent(
 
 
     class Rows(torch.utils.data.Dataset):
-        # 16-token rows; row `long` has 160 tokens: the rank whose batch holds it meets it, the other not
+        # 16-token rows; row `long` asks the collator to pad its batch to 160 tokens: the rank whose batch
+        # holds it meets it, the other not. The rows themselves are all 16 tokens, so the pre-flight's
+        # look for the dataset's longest example cannot see it: the shape guard meets it mid-run
         def __init__(self, long):
             self.long = long
 
@@ -42,12 +44,12 @@ SCRIPT = textwrap.dedent(
             return 32
 
         def __getitem__(self, i):
-            ids = (torch.arange(160 if i == self.long else 16) * (1 + i % 3)) % VOCAB
-            return {"input_ids": ids, "labels": ids.clone()}
+            ids = (torch.arange(16) * (1 + i % 3)) % VOCAB
+            return {"input_ids": ids, "labels": ids.clone(), "pad_to": 160 if i == self.long else 0}
 
 
     def pad(rows):
-        n = max(len(r["input_ids"]) for r in rows)
+        n = max(max(len(r["input_ids"]), r.get("pad_to", 0)) for r in rows)
         ids = torch.zeros(len(rows), n, dtype=torch.long)
         labels = torch.full((len(rows), n), -100, dtype=torch.long)
         for i, r in enumerate(rows):
@@ -61,7 +63,7 @@ SCRIPT = textwrap.dedent(
     args = TrainingArguments(
         str(OUT / "run"), use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no", max_steps=6,
         logging_steps=1, disable_tqdm=True, per_device_train_batch_size=2, dataloader_drop_last=True,
-        auto_find_batch_size=MODE == "autofind",
+        auto_find_batch_size=MODE == "autofind", remove_unused_columns=False,  # `pad_to` reaches `pad`
     )
     # 4 MB: a 2×16 batch (0.9 MiB) fits, a 2×160 one (5.9 MiB) does not; 64 KiB: not one row
     # ~0.99 MB: 1 row of 16 tokens (0.8 MiB) fits, 2 rows (0.9 MiB) do not: on rank 1 only, as "small"
