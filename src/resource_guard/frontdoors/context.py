@@ -381,23 +381,9 @@ class Guard:
             from resource_guard.frontdoors.guard.batch_dim import BatchFirstView, to_batch_first
 
             model, batch = BatchFirstView(self.model, dim, batch), to_batch_first(batch, dim)
-        self._start_shape_guard_on(model, batch, loss)  # the watch's own hooks are quiet here
+        # the watch's own hooks are quiet here; the loop runs each batch whole
+        self._start_shape_guard(batch, loss, None, model=model, whole_batches=True)
         watch.shapes = self._shapes
-
-    def _start_shape_guard_on(self, model: nn.Module, batch: Any, loss: Any) -> None:
-        from resource_guard.frontdoors.shape_guard import start_shape_guard
-
-        assert self.plan is not None
-        try:
-            self._shapes, notes = start_shape_guard(
-                model, self.optimizer, batch, loss, self.plan, *self._worst[:2], whole_batches=True
-            )
-        except DoesNotFitError:
-            raise
-        except Exception as error:  # our check never stops the run
-            warnings.warn(f"resource_guard: the shape check is off: {error!r}", ResourceGuardWarning, 4)
-            notes = []
-        self.plan = self._with_reasons(*notes)
 
     def _setup_recorded(self, recorder: Any) -> None:
         """The first step of an unchanged loop with several optimizers ended: that step, replayed on fake
@@ -447,14 +433,25 @@ class Guard:
             optimizers=self.optimizers,
         )
 
-    def _start_shape_guard(self, batch: Any, loss_fn: LossFn, loader: Any) -> None:
+    def _start_shape_guard(
+        self,
+        batch: Any,
+        loss_fn: LossFn,
+        loader: Any,
+        *,
+        model: nn.Module | None = None,
+        whole_batches: bool = False,
+    ) -> None:
+        """The shape guard of this plan (``model``: the module the plan traced, the guard's by
+        default; ``whole_batches``: an unchanged loop, whose batches are never split)."""
         from resource_guard.frontdoors.shape_guard import start_shape_guard
 
         assert self.plan is not None
         try:
             self._shapes, notes = start_shape_guard(
-                self.model, self.optimizer, batch, loss_fn, self.plan, *self._worst[:2], loader=loader
-            )
+                model if model is not None else self.model, self.optimizer, batch, loss_fn, self.plan,
+                *self._worst[:2], loader=loader, whole_batches=whole_batches,
+            )  # fmt: skip
         except DoesNotFitError:
             raise
         except Exception as error:  # our check never stops the run

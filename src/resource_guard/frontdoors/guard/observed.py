@@ -702,17 +702,23 @@ def plan_as_run(
     if dim_reason is not None:
         made = dataclasses.replace(made, reasons=(*made.reasons, dim_reason))
     if made.micro_batch_size < rows:
-        fit = made.fit
-        raise DoesNotFitError(
-            f"the loop's first forward, a batch of {rows} in {made.precision}, is predicted not to fit "
-            f"{made.device.name} ({fit.usable_bytes / 2**20:,.1f} MiB usable); the largest batch that "
-            f"fits is {made.micro_batch_size}. Lower the batch size, or let the guard split it: loop "
-            "`for batch in g.iterate(loader):` and call `g.backward(loss)` (micro-batches of "
-            f"{made.micro_batch_size} × {made.accumulation_steps} accumulation keep the batch of "
-            f"{rows}).\n\n{made.summary()}",
-            made,
-        )
+        raise _batch_too_big(
+            made, rows, "the loop's first forward",
+            "Lower the batch size, or let the guard split it: loop `for batch in g.iterate(loader):` and "
+            f"call `g.backward(loss)` (micro-batches of {made.micro_batch_size} × "
+            f"{made.accumulation_steps} accumulation keep the batch of {rows}).",
+        )  # fmt: skip
     return made, device, loss, dim
+
+
+def _batch_too_big(made: Any, rows: int, what: str, remedy: str) -> DoesNotFitError:
+    """The error of a step whose batch of ``rows`` does not fit: the largest that does, the remedy."""
+    return DoesNotFitError(
+        f"{what}, a batch of {rows} in {made.precision}, is predicted not to fit {made.device.name} "
+        f"({made.fit.usable_bytes / 2**20:,.1f} MiB usable); the largest batch that fits is "
+        f"{made.micro_batch_size}. {remedy}\n\n{made.summary()}",
+        made,
+    )
 
 
 def plan_recorded(
@@ -781,12 +787,8 @@ def plan_recorded(
     )
     made = dataclasses.replace(made, reasons=(*made.reasons, line))
     if made.micro_batch_size < rows:
-        fit = made.fit
-        raise DoesNotFitError(
-            f"the loop's step (recorded from its first step), a batch of {rows} in {made.precision}, is "
-            f"predicted not to fit {made.device.name} ({fit.usable_bytes / 2**20:,.1f} MiB usable); the "
-            f"largest batch that fits is {made.micro_batch_size}. Lower the batch size.\n\n{made.summary()}",
-            made,
+        raise _batch_too_big(
+            made, rows, "the loop's step (recorded from its first step)", "Lower the batch size."
         )
     return made, device, step
 
