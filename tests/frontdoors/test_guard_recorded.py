@@ -76,7 +76,7 @@ def test_the_first_step_is_recorded_and_planned_and_the_loop_left_alone() -> Non
 
 def test_the_recorded_step_is_predicted_as_the_loop_runs_it() -> None:
     """Predicted peak against the real CPU peak of the same loop (profiler memory records): never under
-    by more than the loop's own small tensors made outside the models (its labels), within 2%."""
+    (the losses computed outside the models hold a target of each output's shape), within 2%."""
     models, optimizers = build()
     with guard(models, optimizers, monitor=False) as g:
         dcgan_loop(models, optimizers, 3)
@@ -88,7 +88,7 @@ def test_the_recorded_step_is_predicted_as_the_loop_runs_it() -> None:
     with quiet_profile() as prof:
         dcgan_loop(models, optimizers, 3)
     real = start + peak_of(allocation_deltas(prof))
-    assert real - 256 <= predicted <= real * 1.02
+    assert real <= predicted <= real * 1.02
 
 
 def test_a_recorded_step_that_does_not_fit_stops_before_the_second_step() -> None:

@@ -225,6 +225,7 @@ def replay_step(events: Sequence[Event], passes: int = 2) -> Callable[[Any], Non
         for _ in range(passes):
             outputs: list[Any] = []
             flat: list[list[torch.Tensor]] = []
+            targets: list[torch.Tensor] = []
             for event in recorded:
                 if isinstance(event, Forward):
                     leaves = [_input(src, step.batch, flat) for src in event.inputs]
@@ -237,6 +238,9 @@ def replay_step(events: Sequence[Event], passes: int = 2) -> Callable[[Any], Non
                 elif isinstance(event, Backward):
                     out = outputs[event.forward]
                     own = _own_loss(out)
+                    if own is None:  # a loss the loop computes outside the model, against a target of
+                        # the output's shape that it holds through the step (dcgan's `label`)
+                        targets.extend(torch.zeros_like(t) for t in flat[event.forward])
                     step.backward(own if own is not None else StandInLoss().stand_in(out))
                 elif isinstance(event, Step):
                     step.optimizers[event.optimizer].step()
@@ -245,7 +249,7 @@ def replay_step(events: Sequence[Event], passes: int = 2) -> Callable[[Any], Non
                 elif event.child is not None:
                     children[event.child].zero_grad(set_to_none=event.set_to_none)
             held = [_detached(out) for out in outputs]
-            del outputs, flat
+            del outputs, flat, targets
 
     return fn
 
