@@ -222,6 +222,7 @@ def replay_step(events: Sequence[Event], passes: int = 2) -> Callable[[Any], Non
     def fn(step: Any) -> None:
         children = dict(step.model.named_children())
         held: list[Any] = []  # the last pass's outputs: the loop's variables hold them until reassigned
+        losses: list[torch.Tensor] = []  # every backward's loss, held as `errD_real = ...` holds it
         for _ in range(passes):
             outputs: list[Any] = []
             flat: list[list[torch.Tensor]] = []
@@ -241,7 +242,9 @@ def replay_step(events: Sequence[Event], passes: int = 2) -> Callable[[Any], Non
                     if own is None:  # a loss the loop computes outside the model, against a target of
                         # the output's shape that it holds through the step (dcgan's `label`)
                         targets.extend(torch.zeros_like(t) for t in flat[event.forward])
-                    step.backward(own if own is not None else StandInLoss().stand_in(out))
+                    loss = own if own is not None else StandInLoss().stand_in(out)
+                    step.backward(loss)
+                    losses.append(loss.detach())  # the loop's variable holds it into the next step
                 elif isinstance(event, Step):
                     step.optimizers[event.optimizer].step()
                 elif event.optimizer is not None:
