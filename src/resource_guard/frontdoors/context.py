@@ -40,7 +40,6 @@ import contextlib
 import json
 import os
 import time
-import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
@@ -49,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, DoesNotFitError, warn_at_user
 from resource_guard.estimate.user_step import manual_update_stand_in
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.frontdoors.guard.args import check_device_and_catalog, check_log_dir, torch_device_of
@@ -278,7 +277,7 @@ class Guard:
         try:
             self._teardown(exc)
         except Exception as error:  # our own clean-up never replaces the user's exception
-            warnings.warn(f"resource_guard: clean-up failed: {error!r}", ResourceGuardWarning, stacklevel=2)
+            warn_at_user(f"resource_guard: clean-up failed: {error!r}")
         # returning None lets the user's exception (if any) through unchanged
 
     # ------------------------------------------------------------------------------------------------
@@ -455,7 +454,7 @@ class Guard:
         except DoesNotFitError:
             raise
         except Exception as error:  # our check never stops the run
-            warnings.warn(f"resource_guard: the shape check is off: {error!r}", ResourceGuardWarning, 3)
+            warn_at_user(f"resource_guard: the shape check is off: {error!r}")
             notes = []
         self.plan = self._with_reasons(*notes)
 
@@ -662,9 +661,7 @@ class Guard:
         try:
             getattr(self._monitor, name)(*args)
         except Exception as error:  # a failure in our monitoring never stops training
-            warnings.warn(
-                f"resource_guard: monitoring stopped: {error!r}", ResourceGuardWarning, stacklevel=3
-            )
+            warn_at_user(f"resource_guard: monitoring stopped: {error!r}")
             self._monitor = None
 
     def _teardown(self, exc: BaseException | None) -> None:
@@ -681,9 +678,7 @@ class Guard:
             try:
                 self.report = monitor.close(exc)
             except Exception as error:
-                warnings.warn(
-                    f"resource_guard: monitor close failed: {error!r}", ResourceGuardWarning, stacklevel=3
-                )
+                warn_at_user(f"resource_guard: monitor close failed: {error!r}")
         if self._ckpt is not None:
             self._ckpt.remove()
             self._ckpt = None

@@ -22,14 +22,13 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from resource_guard.devices import DeviceSpec
-from resource_guard.errors import DoesNotFitError, ResourceGuardWarning
+from resource_guard.errors import DoesNotFitError, warn_at_user
 from resource_guard.estimate import DeviceFit, MemoryEstimate
 from resource_guard.estimate.eval_step import estimate_eval_memory
 from resource_guard.step.batching import resize_batch
@@ -229,11 +228,7 @@ class EvalPreflights:
             raise
         except Exception as error:
             loop = kwargs.get("loop", "evaluation")
-            warnings.warn(
-                f"resource_guard: the {loop} step was not pre-flighted: {error!r}",
-                ResourceGuardWarning,
-                stacklevel=3,
-            )
+            warn_at_user(f"resource_guard: the {loop} step was not pre-flighted: {error!r}")
             return None
         self._seen[key] = found
         self.checks.append(found)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +18,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from resource_guard.errors import DoesNotFitError, PredictedOutOfMemoryError, ResourceGuardWarning
+from resource_guard.errors import (
+    DoesNotFitError,
+    PredictedOutOfMemoryError,
+    warn_at_user,
+)
 from resource_guard.frontdoors import hf_step
 
 if TYPE_CHECKING:
@@ -206,7 +209,7 @@ def tensorboard_writer(args: Any) -> Any:
 
         return SummaryWriter(log_dir=str(run))
     except Exception as error:  # no tensorboard: the monitor writes its own files
-        warnings.warn(f"ResourceGuardCallback: no TensorBoard writer ({error!r})", ResourceGuardWarning, 3)
+        warn_at_user(f"ResourceGuardCallback: no TensorBoard writer ({error!r})")
         return None
 
 

@@ -45,7 +45,6 @@ import dataclasses
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +57,7 @@ from resource_guard.errors import (
     ConfigurationError,
     DoesNotFitError,
     PredictedOutOfMemoryError,
-    ResourceGuardWarning,
+    warn_at_user,
 )
 from resource_guard.frontdoors import hf_step
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
@@ -440,9 +439,7 @@ class ResourceGuardCallback(TrainerCallback):
             except DoesNotFitError:
                 raise
             except Exception as error:  # our check never stops the run
-                warnings.warn(
-                    f"ResourceGuardCallback: the shape check is off: {error!r}", ResourceGuardWarning, 3
-                )
+                warn_at_user(f"ResourceGuardCallback: the shape check is off: {error!r}")
                 self._shapes = None
         self.plan = auto_detected(dataclasses.replace(made, reasons=(*made.reasons, *notes)), self.device)
         return notes

@@ -33,7 +33,6 @@ import dataclasses
 import math
 import os
 import time
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -41,7 +40,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, DoesNotFitError, warn_at_user
 from resource_guard.frontdoors import lightning_apply as ap
 from resource_guard.frontdoors import lightning_shapes
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
@@ -215,11 +214,7 @@ class ResourceGuard(Callback):
         restored, self._restored = self._restored, None
         peek = ap.first_batch(trainer, pl_module)
         if peek is None:
-            warnings.warn(
-                "ResourceGuard: no train dataloader (limit_train_batches=0?); nothing to plan.",
-                ResourceGuardWarning,
-                stacklevel=2,
-            )
+            warn_at_user("ResourceGuard: no train dataloader (limit_train_batches=0?); nothing to plan.")
             return
         batch, loader_batch_size = peek
         if restored is not None and restored.world_size == trainer.world_size:
@@ -242,11 +237,7 @@ class ResourceGuard(Callback):
         if error is not None:
             if self.fail_fast or not isinstance(error, DoesNotFitError):
                 raise error
-            warnings.warn(
-                f"ResourceGuard: {error}\nThe run continues unchanged (fail_fast=False).",
-                ResourceGuardWarning,
-                stacklevel=2,
-            )
+            warn_at_user(f"ResourceGuard: {error}\nThe run continues unchanged (fail_fast=False).")
             return
         assert decisions is not None
         self._apply(trainer, pl_module, decisions, loader_batch_size)
@@ -587,11 +578,9 @@ def _strategy_name(trainer: pl.Trainer) -> str:
     if trainer.world_size == 1:
         return "single"
     if not isinstance(trainer.strategy, DDPStrategy):
-        warnings.warn(
+        warn_at_user(
             f"ResourceGuard: {type(trainer.strategy).__name__} is planned as DDP (a full replica per "
-            "rank), which is conservative for sharded strategies.",
-            ResourceGuardWarning,
-            stacklevel=3,
+            "rank), which is conservative for sharded strategies."
         )
     return "ddp"
 

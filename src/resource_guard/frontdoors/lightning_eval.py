@@ -27,7 +27,6 @@ step does not fit even at one row, every rank raises the same
 from __future__ import annotations
 
 import pickle
-import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +35,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from resource_guard.devices import DeviceSpec, parse_memory_limit, resolve_device
-from resource_guard.errors import DoesNotFitError, ResourceGuardWarning
+from resource_guard.errors import DoesNotFitError, warn_at_user
 from resource_guard.frontdoors import lightning_apply as ap
 from resource_guard.frontdoors.eval_preflight import EvalCheck, EvalPreflights
 from resource_guard.frontdoors.lightning_hooks import call_eval_step
@@ -182,7 +181,7 @@ def preflight_loops(
         raise error  # type: ignore[misc]
     if error is not None:  # our pre-flight's own failure never stops the run
         tail = "\nThe run continues unchanged (fail_fast=False)." if not_fit(error) else ""
-        warnings.warn(f"ResourceGuard: {error}{tail}", ResourceGuardWarning, stacklevel=3)
+        warn_at_user(f"ResourceGuard: {error}{tail}")
     return found, splits
 
 

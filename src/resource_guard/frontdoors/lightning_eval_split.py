@@ -36,7 +36,6 @@ Example:
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +43,7 @@ import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, warn_at_user
 from resource_guard.frontdoors.lightning_internals import (
     eval_batch_counts,
     eval_combined_loader,
@@ -247,11 +246,9 @@ def regroup(pieces: Sequence[Any]) -> Any:
         return [x for p in pieces for x in p]
     if first is None:
         return None
-    warnings.warn(
+    warn_at_user(
         f"ResourceGuard: a prediction of type {type(first).__name__} cannot be joined; the batch's "
-        f"{len(pieces)} micro-batch predictions are returned as a list.",
-        ResourceGuardWarning,
-        stacklevel=2,
+        f"{len(pieces)} micro-batch predictions are returned as a list."
     )
     return list(pieces)
 

@@ -82,18 +82,15 @@ def manual_flops(
 ) -> float | None:
     """FLOPs of the manual step's forwards and backwards (the model FLOPs of MFU), counted on fake
     tensors; ``None`` with a warning when the step cannot run there. Call with the module detached."""
-    import warnings
 
-    from resource_guard.errors import ResourceGuardWarning
+    from resource_guard.errors import warn_at_user
 
     try:
         return count_user_step_flops(pl_module, optimizers, batch, step)
     except Exception as exc:  # MFU is a nicety: the run goes on without it
-        warnings.warn(
+        warn_at_user(
             f"ResourceGuard: the manual step's FLOPs could not be counted ({type(exc).__name__}: {exc}); "
-            "MFU will not be reported.",
-            ResourceGuardWarning,
-            stacklevel=2,
+            "MFU will not be reported."
         )
         return None
 

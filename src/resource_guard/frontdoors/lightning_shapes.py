@@ -8,12 +8,11 @@ plan on: the run's largest when it is knowable, since Lightning cannot split a b
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.seed import isolate_rng
 
-from resource_guard.errors import ResourceGuardWarning
+from resource_guard.errors import warn_at_user
 from resource_guard.frontdoors.lightning_apply import Decisions, detached_trainer, training_step_loss
 from resource_guard.frontdoors.lightning_internals import drop_train_dataloader
 
@@ -74,7 +73,7 @@ def start_shapes(
             trace_context=lambda: detached_trainer(pl_module),
         )  # fmt: skip
     except Exception as error:  # our check never stops the run
-        warnings.warn(f"ResourceGuard: the shape check is off: {error!r}", ResourceGuardWarning, stacklevel=3)
+        warn_at_user(f"ResourceGuard: the shape check is off: {error!r}")
         shapes = None
     if trainer.world_size > 1 and agree_min(int(shapes is not None)) == 0:
         return []

@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, DoesNotFitError, warn_at_user
 from resource_guard.planning.shapes import ShapeFit, ShapeModel
 from resource_guard.planning.worst_case import resize_along, sequence_positions, worst_case_length
 from resource_guard.step.training import LossFn, iter_tensors
@@ -166,9 +165,7 @@ class ShapeGuard:
             return self.model.check(batch)
         except Exception as error:
             self._broken = True
-            warnings.warn(
-                f"resource_guard: the shape check is off for this run: {error!r}", ResourceGuardWarning, 3
-            )
+            warn_at_user(f"resource_guard: the shape check is off for this run: {error!r}")
             return None
 
     def report(self, fit: ShapeFit) -> ShapeReport:

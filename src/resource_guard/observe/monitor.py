@@ -42,14 +42,13 @@ import math
 import os
 import tempfile
 import time
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from resource_guard.errors import ConfigurationError, ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, warn_at_user
 from resource_guard.observe.dynamo import compile_counters
 from resource_guard.observe.growth import MemoryWatch, batch_signature, cpu_allocated_bytes
 from resource_guard.observe.oom import OomEvent, is_oom, memory_history
@@ -521,7 +520,7 @@ class RunMonitor(MonitorOutputs):
 
 
 def _warn(message: str) -> None:
-    warnings.warn(f"resource_guard monitoring: {message}", ResourceGuardWarning, stacklevel=4)
+    warn_at_user(f"resource_guard monitoring: {message}")
 
 
 def _distributed() -> bool:

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, DoesNotFitError, warn_at_user
 from resource_guard.frontdoors.guard.batch_dim import rows_along, to_batch_first
 from resource_guard.step.training import (
     StandInLoss,
@@ -315,11 +315,7 @@ class LoopWatch:
     def _fail(self, error: BaseException) -> None:
         """A failure of ours: one warning, then every hook returns at once."""
         self.broken = True
-        warnings.warn(
-            f"resource_guard: watching the loop stopped: {error!r}; training goes on unobserved",
-            ResourceGuardWarning,
-            stacklevel=3,
-        )
+        warn_at_user(f"resource_guard: watching the loop stopped: {error!r}; training goes on unobserved")
 
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.broken or self._inside or id(module) not in self._module_ids:

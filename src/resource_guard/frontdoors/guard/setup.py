@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
+from resource_guard.errors import ConfigurationError, DoesNotFitError, warn_at_user
 from resource_guard.frontdoors.guard.args import torch_device_of
 from resource_guard.step.precision import parse_precision
 from resource_guard.step.training import LossFn, StandInLoss, batch_size_of
@@ -139,9 +138,7 @@ def start_monitor(
     except ConfigurationError:
         raise
     except Exception as error:
-        warnings.warn(
-            f"resource_guard: monitoring is off for this run: {error!r}", ResourceGuardWarning, stacklevel=4
-        )
+        warn_at_user(f"resource_guard: monitoring is off for this run: {error!r}")
         return None
 
 
@@ -163,7 +160,7 @@ def flops_per_sample(
         try:
             flops: float | None = count_user_step_flops(model, optimizers, batch, loss_fn)
         except Exception as error:  # MFU is a nicety
-            warnings.warn(f"resource_guard: no MFU: {error!r}", ResourceGuardWarning, stacklevel=3)
+            warn_at_user(f"resource_guard: no MFU: {error!r}")
             return None
     else:
         flops = count_flops(model, batch, loss_fn, remedy=None)  # guard takes no flops_per_step
