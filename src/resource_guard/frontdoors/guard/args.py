@@ -77,7 +77,9 @@ def check_log_dir(path: str | os.PathLike[str], call: str = "guard") -> None:
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".resource_guard_write_test"
+        # one name per process: the ranks of a DDP run check the same log dir at the same moment, and one
+        # rank's unlink must not remove the probe another rank is about to unlink
+        probe = path / f".resource_guard_write_test.{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as error:
