@@ -89,7 +89,11 @@ SCRIPT = textwrap.dedent(
     written = OUT / f".rank{trainer.global_rank}.json.part"
     written.write_text(json.dumps(result))
     written.replace(OUT / f"rank{trainer.global_rank}.json")
-    sys.exit(1 if "error" in result else 0)
+    # gloo's threads, left to the interpreter's exit, abort it now and then ("terminate called without an
+    # active exception"): the result is written, so the rank leaves without the C++ teardown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if "error" in result else 0)
     """
 )
 
