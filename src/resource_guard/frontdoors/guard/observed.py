@@ -259,6 +259,11 @@ class LoopWatch:
         self._module_ids = {id(m) for m in self._modules}
         self._gradients_kept = gradients_kept
         self._closure_loss = closure_loss
+        from resource_guard.estimate.closure_step import needs_closure
+
+        # the optimizers whose step takes a closure: only their first step is wrapped (no per-step work
+        # for the others)
+        self._closure_ids = {id(o) for o in optimizers if needs_closure(o)}
         self._loss_bytes: int | None = None  # the storage of the first loss a closure returned
         self._pending: BaseException | None = None  # a verdict to raise at the next forward
         self.grads_kept_at: int | None = None  # the forward of a step that first ran on gradients kept
@@ -440,7 +445,7 @@ class LoopWatch:
                 if self.clock is not None:
                     self.clock.switch("optimizer")
             self._in_step += 1
-            if self._loss_bytes is None and self._closure_loss is not None:
+            if self._closure_loss is not None and id(optimizer) in self._closure_ids:
                 return _closure_seen(args, kwargs, self._saw_loss)
         except Exception as error:
             self._fail(error)
