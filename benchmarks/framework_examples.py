@@ -381,7 +381,7 @@ def lightning_transformer_lm(root: Path, door: bool, steps: int) -> Outcome:
 
 
 def _hf_outcome(trainer: Any, callback: Any, user: Any, planned: Any, root: Path) -> Outcome:
-    from resource_guard.frontdoors.hf_plan import planned_by
+    from resource_guard.frontdoors.hf.plan import planned_by
 
     out = Outcome(steps=int(trainer.state.global_step))
     if callback is None:

@@ -1,5 +1,5 @@
 """A small transformer language model trained with Lightning on synthetic tokens, on the CPU, with the
-:class:`~resource_guard.frontdoors.lightning_callback.ResourceGuard` callback planning the run.
+:class:`~resource_guard.frontdoors.lightning.callback.ResourceGuard` callback planning the run.
 
 Under a memory cap (``--memory-limit``) too small for the whole batch in one step, the callback keeps
 the effective batch and picks a smaller micro-batch with gradient accumulation::
@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
 
 
 class TokenData(L.LightningDataModule):

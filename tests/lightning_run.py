@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning.pytorch as L
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
 
 
 def write_lightning_run(root: Path, *, max_steps: int, log_every_n_steps: int) -> None:

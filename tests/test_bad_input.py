@@ -329,7 +329,7 @@ BAD_CALLBACK_ARGS = [
 )
 def test_callback_constructor_refuses_bad_input(kwargs, quoted):
     pytest.importorskip("lightning.pytorch")
-    from resource_guard.frontdoors.lightning_callback import ResourceGuard
+    from resource_guard.frontdoors.lightning.callback import ResourceGuard
 
     with pytest.raises(ConfigurationError) as info:
         ResourceGuard(**kwargs)
@@ -347,7 +347,7 @@ BAD_CALLBACK_FIT = [
     ("kwargs", "mode", "words"), [c[1:] for c in BAD_CALLBACK_FIT], ids=[c[0] for c in BAD_CALLBACK_FIT]
 )
 def test_callback_refuses_bad_input_before_any_step(kwargs, mode, words):
-    from resource_guard.frontdoors.lightning_callback import ResourceGuard
+    from resource_guard.frontdoors.lightning.callback import ResourceGuard
 
     fit = _lightning()
     with pytest.raises(ConfigurationError, match=words):
@@ -356,7 +356,7 @@ def test_callback_refuses_bad_input_before_any_step(kwargs, mode, words):
 
 
 def test_callback_refuses_an_unwritable_log_dir_before_any_step(tmp_path):
-    from resource_guard.frontdoors.lightning_callback import ResourceGuard
+    from resource_guard.frontdoors.lightning.callback import ResourceGuard
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")

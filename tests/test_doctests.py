@@ -27,4 +27,4 @@ def test_docstring_examples_run(name: str, tmp_path, monkeypatch, capsys) -> Non
 
 
 def test_the_walk_sees_the_package() -> None:
-    assert {"resource_guard.frontdoors.context", "resource_guard.estimate.trace.tracer"} <= set(MODULES)
+    assert {"resource_guard.frontdoors.guard.context", "resource_guard.estimate.trace.tracer"} <= set(MODULES)

@@ -50,7 +50,7 @@ from fake_cuda import install as install_fake_cuda
 from fake_pynvml import HANG_S, QUERIES_PER_SAMPLE, FakeGpu, FakeNvml, install
 from resource_guard import guard
 from resource_guard.errors import ResourceGuardWarning
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
 from resource_guard.observe.profiling import ProfileWindow
 
 DIM = 8

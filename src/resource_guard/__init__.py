@@ -25,10 +25,10 @@ if TYPE_CHECKING:
         estimate_memory,
         measure_training_step,
     )
-    from resource_guard.frontdoors.context import Guard, guard
-    from resource_guard.frontdoors.hf_plan import plan_training_args
-    from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback
-    from resource_guard.frontdoors.lightning_callback import ResourceGuard
+    from resource_guard.frontdoors.guard.context import Guard, guard
+    from resource_guard.frontdoors.hf.plan import plan_training_args
+    from resource_guard.frontdoors.hf.trainer import ResourceGuardCallback
+    from resource_guard.frontdoors.lightning.callback import ResourceGuard
     from resource_guard.observe.monitor import RunMonitor
     from resource_guard.planning.checkpointing import apply_checkpointing
     from resource_guard.planning.planner import Plan, plan
@@ -104,8 +104,8 @@ _EXPORTS = {
     "estimate_eval_memory": "resource_guard.estimate",
     "estimate_memory": "resource_guard.estimate",
     "measure_training_step": "resource_guard.estimate",
-    "Guard": "resource_guard.frontdoors.context",
-    "guard": "resource_guard.frontdoors.context",
+    "Guard": "resource_guard.frontdoors.guard.context",
+    "guard": "resource_guard.frontdoors.guard.context",
     "RunMonitor": "resource_guard.observe.monitor",
     "apply_checkpointing": "resource_guard.planning.checkpointing",
     "Plan": "resource_guard.planning.planner",
@@ -120,9 +120,9 @@ _EXPORTS = {
     "PRECISIONS": "resource_guard.step.precision",
     "PrecisionSpec": "resource_guard.step.precision",
     "parse_precision": "resource_guard.step.precision",
-    "ResourceGuard": "resource_guard.frontdoors.lightning_callback",
-    "ResourceGuardCallback": "resource_guard.frontdoors.hf_trainer",  # transformers, lazily
-    "plan_training_args": "resource_guard.frontdoors.hf_plan",
+    "ResourceGuard": "resource_guard.frontdoors.lightning.callback",
+    "ResourceGuardCallback": "resource_guard.frontdoors.hf.trainer",  # transformers, lazily
+    "plan_training_args": "resource_guard.frontdoors.hf.plan",
 }
 
 

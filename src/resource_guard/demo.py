@@ -91,13 +91,13 @@ def run_demo(
     The embedded default of ``resource-guard demo``: plans (under ``memory_limit``, which stands in for
     a small GPU), trains ``steps`` effective batches, and writes TensorBoard events, the bottleneck
     report (``report.md``/``report.json``), the memory picture and ``guard.json`` into ``log_dir``.
-    Returns the finished :class:`~resource_guard.frontdoors.context.Guard` (``g.plan``, ``g.report``).
+    Returns the finished :class:`~resource_guard.frontdoors.guard.context.Guard` (``g.plan``, ``g.report``).
     ``on_plan(plan)`` is called once the run is planned, before its first step; ``on_step(k)`` after
     each optimizer step.
     """
     from torch.utils.data import DataLoader, TensorDataset
 
-    from resource_guard.frontdoors.context import guard
+    from resource_guard.frontdoors.guard.context import guard
 
     model, optimizer, _ = build(batch_size=batch_size, seq_len=seq_len)
     generator = torch.Generator().manual_seed(1)

@@ -16,8 +16,8 @@ from resource_guard import ConfigurationError, DoesNotFitError, guard
 from resource_guard.devices import resolve_device
 from resource_guard.estimate.eval_step import estimate_eval_memory
 from resource_guard.frontdoors.eval_preflight import EvalCheck, preflight_eval
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
-from resource_guard.frontdoors.lightning_eval import gradients_kept_in_fit
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
+from resource_guard.frontdoors.lightning.eval import gradients_kept_in_fit
 
 VOCAB, DIM = 2000, 64
 CAP = "20MiB"  # a training batch of 8 fits (12 MiB); an evaluation batch of 2048 does not (~38 MiB)
@@ -328,7 +328,7 @@ import lightning.pytorch as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
 
 OUT, RANK = Path(sys.argv[1]), int(os.environ.get("LOCAL_RANK", "0"))
 

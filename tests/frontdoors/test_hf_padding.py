@@ -21,9 +21,9 @@ from transformers import (
 )
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.frontdoors import hf_step
-from resource_guard.frontdoors.hf_plan import plan_training_args
-from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback
+from resource_guard.frontdoors.hf import step as hf_step
+from resource_guard.frontdoors.hf.plan import plan_training_args
+from resource_guard.frontdoors.hf.trainer import ResourceGuardCallback
 
 VOCAB, LONGEST = 64, 40
 

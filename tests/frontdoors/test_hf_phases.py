@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from resource_guard.frontdoors import hf_phases
-from resource_guard.frontdoors.hf_phases import TrainerPhases, time_loader_next
-from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback
+from resource_guard.frontdoors.hf import phases as hf_phases
+from resource_guard.frontdoors.hf.phases import TrainerPhases, time_loader_next
+from resource_guard.frontdoors.hf.trainer import ResourceGuardCallback
 from resource_guard.observe.phases import PhaseClock
 
 VOCAB = 64

@@ -26,10 +26,12 @@ import resource_guard
 from cpu_reference import skip_unless_cpu_runs
 from resource_guard.devices import play_cpu
 from resource_guard.errors import ConfigurationError, DoesNotFitError
-from resource_guard.frontdoors import hf_runtime, hf_step, hf_trainer
-from resource_guard.frontdoors.hf_plan import plan_training_args
-from resource_guard.frontdoors.hf_runtime import without_accelerate_autocast
-from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback
+from resource_guard.frontdoors.hf import runtime as hf_runtime
+from resource_guard.frontdoors.hf import step as hf_step
+from resource_guard.frontdoors.hf import trainer as hf_trainer
+from resource_guard.frontdoors.hf.plan import plan_training_args
+from resource_guard.frontdoors.hf.runtime import without_accelerate_autocast
+from resource_guard.frontdoors.hf.trainer import ResourceGuardCallback
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 128

@@ -21,8 +21,8 @@ from lightning.pytorch.profilers import Profiler
 from torch import nn
 
 from resource_guard import guard
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
-from resource_guard.frontdoors.lightning_internals import STEP_HOOKS as _STEP_HOOKS
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
+from resource_guard.frontdoors.lightning.internals import STEP_HOOKS as _STEP_HOOKS
 
 
 class Actions(Profiler):

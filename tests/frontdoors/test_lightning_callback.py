@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import resource_guard.planning.planner as plan_module
 from resource_guard.devices import play_cpu, resolve_device
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
-from resource_guard.frontdoors import lightning_apply as ap
-from resource_guard.frontdoors import lightning_internals as li
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
+from resource_guard.frontdoors.lightning import apply as ap
+from resource_guard.frontdoors.lightning import internals as li
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
 from resource_guard.observe.profiling import ProfileWindow
 
 DIM = 16

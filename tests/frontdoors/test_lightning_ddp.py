@@ -26,8 +26,8 @@ SCRIPT = textwrap.dedent(
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from resource_guard.frontdoors.lightning_apply import training_step_loss
-    from resource_guard.frontdoors.lightning_callback import ResourceGuard
+    from resource_guard.frontdoors.lightning.apply import training_step_loss
+    from resource_guard.frontdoors.lightning.callback import ResourceGuard
     from resource_guard.planning.planner import plan
 
     OUT, MODE = Path(sys.argv[1]), sys.argv[2]

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from resource_guard import DoesNotFitError, ResourceGuardWarning
 from resource_guard.devices import resolve_device
 from resource_guard.estimate.eval_step import estimate_eval_memory
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
-from resource_guard.frontdoors.lightning_eval_split import EvalSplitLoader, EvalSplitSampler, regroup
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
+from resource_guard.frontdoors.lightning.eval_split import EvalSplitLoader, EvalSplitSampler, regroup
 
 DIM, TRAIN, EVAL = 256, 32, 1024
 ROWS = 2 * EVAL + 300  # the last evaluation batch (300 rows) is smaller: the epoch mean weights it less

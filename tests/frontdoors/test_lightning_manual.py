@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from cpu_reference import reference_checked, skip_unless_cpu_runs
 from resource_guard.errors import ConfigurationError, DoesNotFitError
 from resource_guard.estimate import estimate_memory, measure_user_step
-from resource_guard.frontdoors import lightning_manual
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
+from resource_guard.frontdoors.lightning import manual as lightning_manual
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
 from resource_guard.observe.profiling import ProfileWindow
 
 LATENT, DATA, WIDTH, ROWS = 16, 32, 64, 48

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from resource_guard import ResourceGuard
-from resource_guard.frontdoors.lightning_phases import classify_action
+from resource_guard.frontdoors.lightning.phases import classify_action
 
 
 class Net(L.LightningModule):

@@ -28,10 +28,10 @@ from transformers import BatchEncoding
 
 from resource_guard import estimate_memory
 from resource_guard.errors import ConfigurationError
-from resource_guard.frontdoors import lightning_apply as ap
-from resource_guard.frontdoors import lightning_internals as li
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
-from resource_guard.frontdoors.lightning_rebatch import LossWeights, SplitBatchSampler, parts_for
+from resource_guard.frontdoors.lightning import apply as ap
+from resource_guard.frontdoors.lightning import internals as li
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
+from resource_guard.frontdoors.lightning.rebatch import LossWeights, SplitBatchSampler, parts_for
 
 DIM = 32
 BATCH = 256

@@ -14,8 +14,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from resource_guard.errors import ResourceGuardWarning
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
-from resource_guard.frontdoors.lightning_hooks import eval_step_args, training_step_args
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
+from resource_guard.frontdoors.lightning.hooks import eval_step_args, training_step_args
 
 LATENT, SHAPE = 16, (1, 8, 8)
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from resource_guard.frontdoors.context import guard
-from resource_guard.frontdoors.lightning_callback import ResourceGuard, _total_batches
+from resource_guard.frontdoors.guard.context import guard
+from resource_guard.frontdoors.lightning.callback import ResourceGuard, _total_batches
 
 
 def _loader(rows: int = 32, batch: int = 8) -> DataLoader:

@@ -11,8 +11,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from resource_guard import guard
 from resource_guard.errors import ConfigurationError
-from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
+from resource_guard.frontdoors.hf.trainer import ResourceGuardCallback
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
 from resource_guard.frontdoors.vocabulary import SHARED
 from resource_guard.observe.profiling import ProfileWindow
 

@@ -19,7 +19,7 @@ from fake_cuda import install as install_fake_cuda
 from fake_pynvml import FakeGpu
 from fake_pynvml import install as install_fake_nvml
 from resource_guard.errors import ConfigurationError
-from resource_guard.frontdoors.lightning_callback import ResourceGuard
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
 from resource_guard.observe import oom
 from resource_guard.observe.monitor import RunMonitor
 from resource_guard.report.findings import RunStats, analyze, rule_oom

@@ -68,7 +68,7 @@ def test_user_frame_skips_library_frames() -> None:
         "<built-in method item of Tensor object at 0x7f>",
         "torch/_tensor.py(40): wrapped",
         "lightning/pytorch/loops/fit_loop.py(12): run",
-        "resource_guard/frontdoors/context.py(300): backward",
+        "resource_guard/frontdoors/guard/context.py(300): backward",
         "my_project/train.py(42): train_step",
         "my_project/train.py(90): main",
     )

@@ -4,7 +4,7 @@ The user's ``TrainingArguments`` imply an effective batch (``per_device_train_ba
 gradient_accumulation_steps × world size``); :func:`plan_training_args` keeps it and chooses, with
 :func:`~resource_guard.plan`, the per-device batch, the accumulation, the precision (``bf16``/``fp16``)
 and gradient checkpointing that fit the device (or ``memory_limit``), tracing the step as the Trainer
-runs it (:mod:`~resource_guard.frontdoors.hf_step`: its loss, its ``optim=`` optimizer, clipping) on the
+runs it (:mod:`~resource_guard.frontdoors.hf.step`: its loss, its ``optim=`` optimizer, clipping) on the
 run's largest batch when it is knowable (``max_seq_len``, the collator's ``max_length``, the dataset's
 length column). What the user set explicitly (``bf16``/``fp16``, ``gradient_checkpointing=True``) is
 kept. The decisions, their reasons and the table of alternatives are printed (process zero).
@@ -34,7 +34,7 @@ from torch import nn
 
 from resource_guard.devices import parse_memory_limit
 from resource_guard.errors import ConfigurationError
-from resource_guard.frontdoors import hf_step
+from resource_guard.frontdoors.hf import step as hf_step
 from resource_guard.frontdoors.vocabulary import check_shared
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Run-time pieces of the Hugging Face ``Trainer`` door (:mod:`~resource_guard.frontdoors.hf_trainer`): the
+"""Run-time pieces of the Hugging Face ``Trainer`` door (:mod:`~resource_guard.frontdoors.hf.trainer`): the
 model's forward pre-hook object, accelerate's autocast wrapper taken off for a trace (the one private seam),
 the agreement across ranks, the Trainer's TensorBoard run, and the messages of a step that does not fit.
 
@@ -23,7 +23,7 @@ from resource_guard.errors import (
     PredictedOutOfMemoryError,
     warn_at_user,
 )
-from resource_guard.frontdoors import hf_step
+from resource_guard.frontdoors.hf import step as hf_step
 
 if TYPE_CHECKING:
     from resource_guard.planning.planner import Plan
@@ -255,7 +255,7 @@ def build_monitor(
         flops_per_step=flops_per_step * max(1, int(args.gradient_accumulation_steps))
         if flops_per_step
         else None,
-        phase_timing=True,  # switched at the Trainer's boundaries (frontdoors/hf_phases.py)
+        phase_timing=True,  # switched at the Trainer's boundaries (frontdoors/hf/phases.py)
     )
     max_steps = int(getattr(state, "max_steps", 0) or 0)
     monitor.total_steps = max_steps if max_steps > 0 else None

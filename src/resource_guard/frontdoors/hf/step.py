@@ -1,8 +1,8 @@
 """The Hugging Face ``Trainer``'s training step, as the estimates trace it.
 
 What ``transformers.Trainer`` runs for one micro-batch, rebuilt from its arguments so that
-:func:`~resource_guard.frontdoors.hf_plan.plan_training_args` (before the Trainer exists) and
-:class:`~resource_guard.frontdoors.hf_trainer.ResourceGuardCallback` (inside it) trace the same step:
+:func:`~resource_guard.frontdoors.hf.plan.plan_training_args` (before the Trainer exists) and
+:class:`~resource_guard.frontdoors.hf.trainer.ResourceGuardCallback` (inside it) trace the same step:
 
 - the loss (:func:`trainer_loss`): the model's own (``model(**batch).loss``), or, with
   ``label_smoothing_factor``, transformers' ``LabelSmoother`` over the logits (labels shifted for a causal

@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.frontdoors.lightning_internals import (
+from resource_guard.frontdoors.lightning.internals import (
     drop_train_dataloader,
     process_train_loader,
     skip_inherited_step_hooks,

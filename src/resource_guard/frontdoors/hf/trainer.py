@@ -1,26 +1,26 @@
 """The Hugging Face front door: :class:`ResourceGuardCallback` for ``transformers.Trainer``.
 
 At ``on_train_begin`` (the Trainer has built its optimizer and wrapped the model; no step has run) the
-callback traces the Trainer's own step (:mod:`~resource_guard.frontdoors.hf_step`) with the Trainer's
+callback traces the Trainer's own step (:mod:`~resource_guard.frontdoors.hf.step`) with the Trainer's
 model and optimizer on a batch of its train loader — the run's largest when it is knowable — and
 raises :class:`~resource_guard.errors.DoesNotFitError` with the report before step 0 when the
 configured ``per_device_train_batch_size`` does not fit (on any rank: the ranks agree with one
 collective). Under ``auto_find_batch_size=True`` the error is a
 :class:`~resource_guard.errors.PredictedOutOfMemoryError`, which accelerate's loop takes for an
 out-of-memory error: it lowers the batch and trains again, each attempt pre-flighted, no step run. Plan
-the arguments beforehand with :func:`~resource_guard.frontdoors.hf_plan.plan_training_args`.
+the arguments beforehand with :func:`~resource_guard.frontdoors.hf.plan.plan_training_args`.
 
 The Trainer shows no callback its batches, so the callback watches the model: a forward pre-hook
 (``register_forward_pre_hook(with_kwargs=True)``, public PyTorch) sees each batch exactly as the model
 receives it, on the device, before it runs. In training mode the shape guard checks it and stops the
 run before a batch that would not fit (one agreement across ranks per batch under DDP, as in
-:mod:`~resource_guard.frontdoors.lightning_shapes`), and the monitor marks the batch ready; the step ends
+:mod:`~resource_guard.frontdoors.lightning.shapes`), and the monitor marks the batch ready; the step ends
 at ``on_substep_end`` / ``on_step_end``. In eval mode, the first batch of each evaluation is
 pre-flighted (:mod:`~resource_guard.frontdoors.eval_preflight`). The monitor
 (:class:`~resource_guard.RunMonitor`) writes the report to ``<output_dir>/resource_guard`` and its
 scalars into the Trainer's TensorBoard run; the summary is printed at ``on_train_end``. The run-time
 pieces (the hook object, accelerate's autocast wrapper taken off for a trace, the TensorBoard run, the
-monitor) are in :mod:`~resource_guard.frontdoors.hf_runtime`.
+monitor) are in :mod:`~resource_guard.frontdoors.hf.runtime`.
 
 A run that ends in an error still gets its report, though the Trainer has no exception hook: an
 out-of-memory error in a training forward closes the monitor at once (a forward hook with
@@ -31,7 +31,7 @@ retrying after an out-of-memory error, a second ``train()`` in a notebook). Clos
 makes no collective: the other ranks may be gone.
 
 Example:
-    >>> from resource_guard.frontdoors.hf_trainer import ResourceGuardCallback
+    >>> from resource_guard.frontdoors.hf.trainer import ResourceGuardCallback
     >>> callback = ResourceGuardCallback(memory_limit="8GiB", monitor=False)
     >>> callback.plan is None
     True
@@ -59,11 +59,11 @@ from resource_guard.errors import (
     PredictedOutOfMemoryError,
     warn_at_user,
 )
-from resource_guard.frontdoors import hf_step
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
-from resource_guard.frontdoors.hf_phases import TrainerPhases
-from resource_guard.frontdoors.hf_plan import auto_detected, planned_by, render, say
-from resource_guard.frontdoors.hf_runtime import (
+from resource_guard.frontdoors.hf import step as hf_step
+from resource_guard.frontdoors.hf.phases import TrainerPhases
+from resource_guard.frontdoors.hf.plan import auto_detected, planned_by, render, say
+from resource_guard.frontdoors.hf.runtime import (
     ModelHook,
     agree,
     build_monitor,
@@ -108,12 +108,12 @@ class ResourceGuardCallback(TrainerCallback):
         profile: ``True`` (default window), ``False``, or a
             :class:`~resource_guard.observe.profiling.ProfileWindow`.
         log_dir: where the report goes; default ``<args.output_dir>/resource_guard``.
-        loss_fn / compute_loss_func: as for :func:`~resource_guard.frontdoors.hf_plan.plan_training_args`.
+        loss_fn / compute_loss_func: as for :func:`~resource_guard.frontdoors.hf.plan.plan_training_args`.
         verbose: print the pre-flight (process zero).
         precision: as at the other doors: ``None`` (the default) keeps the TrainingArguments' precision.
             The callback changes no setting of a built Trainer, so ``"auto"``, or a precision the
             arguments do not set, is refused before training (plan it with
-            :func:`~resource_guard.frontdoors.hf_plan.plan_training_args`); one they set is accepted.
+            :func:`~resource_guard.frontdoors.hf.plan.plan_training_args`); one they set is accepted.
         target_batch_size: the effective batch, ``per_device_train_batch_size ×
             gradient_accumulation_steps × world size``: accepted when it is the Trainer's, else refused
             before training (plan it with ``plan_training_args(..., target_batch_size=...)``).
@@ -149,7 +149,7 @@ class ResourceGuardCallback(TrainerCallback):
         precision: str | None = None,
         target_batch_size: int | None = None,
     ) -> None:
-        from resource_guard.frontdoors.hf_plan import EXPRESSIBLE
+        from resource_guard.frontdoors.hf.plan import EXPRESSIBLE
         from resource_guard.frontdoors.shape_guard import check_worst_case_args
         from resource_guard.frontdoors.vocabulary import check_shared, refused
 
@@ -621,7 +621,7 @@ class ResourceGuardCallback(TrainerCallback):
         )
         self._errors_before = getattr(sys, "last_value", None)
         self._monitor.start()
-        if self._monitor.phases is not None:  # the Trainer's boundaries (frontdoors/hf_phases.py)
+        if self._monitor.phases is not None:  # the Trainer's boundaries (frontdoors/hf/phases.py)
             self._phases = TrainerPhases(self._monitor.phases)
             self._phases.install(self._optimizer, loader)
             for line in self._phases.notes:

@@ -2,7 +2,7 @@
 and applying a plan to a Trainer the way a user would configure it by hand (and undoing it).
 
 What touches a private attribute of Lightning is in
-:mod:`~resource_guard.frontdoors.lightning_internals`, one small function per attribute.
+:mod:`~resource_guard.frontdoors.lightning.internals`, one small function per attribute.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import DataLoader
 
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardError
-from resource_guard.frontdoors.lightning_hooks import call_training_step
-from resource_guard.frontdoors.lightning_internals import (
+from resource_guard.frontdoors.lightning.hooks import call_training_step
+from resource_guard.frontdoors.lightning.internals import (
     before_batch_transfer,
     data_from_module,
     drop_train_dataloader,
@@ -382,10 +382,10 @@ def apply_decisions(
 
     A new micro-batch size is set through the module's/datamodule's ``batch_size`` when the train loader is
     rebuilt from it; otherwise each loader batch runs as micro-batches
-    (:mod:`~resource_guard.frontdoors.lightning_rebatch`). Refusals come first, before anything is
+    (:mod:`~resource_guard.frontdoors.lightning.rebatch`). Refusals come first, before anything is
     changed. On a failure half-way, what was changed is undone.
     """
-    from resource_guard.frontdoors.lightning_rebatch import parts_for, rebatch
+    from resource_guard.frontdoors.lightning.rebatch import parts_for, rebatch
 
     micro = decisions.micro_batch_size
     change = current_batch_size != micro

@@ -1,7 +1,7 @@
 """The Lightning callback's evaluation pre-flight: validation, test and predict, each on its own
 dataloader's first batch (its own batch size and shapes), before any of their steps run. A loader whose
 batch does not fit, when a smaller one does, is returned for splitting
-(:mod:`~resource_guard.frontdoors.lightning_eval_split`); one where not even one row fits stops the run.
+(:mod:`~resource_guard.frontdoors.lightning.eval_split`); one where not even one row fits stops the run.
 
 When, and beside what (Lightning 2.x, checked by ``tests/frontdoors/test_eval_preflight.py``):
 
@@ -36,10 +36,10 @@ from lightning.pytorch.utilities.seed import isolate_rng
 
 from resource_guard.devices import DeviceSpec, parse_memory_limit, resolve_device
 from resource_guard.errors import DoesNotFitError, warn_at_user
-from resource_guard.frontdoors import lightning_apply as ap
 from resource_guard.frontdoors.eval_preflight import EvalCheck, EvalPreflights
-from resource_guard.frontdoors.lightning_hooks import call_eval_step
-from resource_guard.frontdoors.lightning_internals import before_batch_transfer
+from resource_guard.frontdoors.lightning import apply as ap
+from resource_guard.frontdoors.lightning.hooks import call_eval_step
+from resource_guard.frontdoors.lightning.internals import before_batch_transfer
 from resource_guard.step.precision import PRECISIONS
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ Before the first training step it takes one real batch from the train dataloader
 precision, activation checkpointing, micro-batch size and gradient accumulation. It then configures
 the Trainer the way a user would by hand (``accumulate_grad_batches``, the ``batch_size`` attribute of
 the module or datamodule with the train dataloader rebuilt, or else each loader batch run as
-micro-batches (:mod:`~resource_guard.frontdoors.lightning_rebatch`), Lightning's precision plugin,
+micro-batches (:mod:`~resource_guard.frontdoors.lightning.rebatch`), Lightning's precision plugin,
 checkpointing on the module), or stops with the full report before any step when nothing fits. While
 training, it monitors where the time goes (:class:`~resource_guard.RunMonitor`).
 
@@ -13,7 +13,7 @@ training, it monitors where the time goes (:class:`~resource_guard.RunMonitor`).
 (silently skipped); code that reads ``self.trainer`` makes the estimate fall back to the conservative
 analytic count (with a warning). Under manual optimization (``automatic_optimization = False``) that
 ``training_step`` is the whole step, traced with every optimizer and each one's state
-(:mod:`~resource_guard.frontdoors.lightning_manual`); the plan then applies precision, checkpointing and
+(:mod:`~resource_guard.frontdoors.lightning.manual`); the plan then applies precision, checkpointing and
 the batch size, and leaves accumulation to the module.
 
 Under DDP every rank plans on its own batch, the ranks agree on the most conservative plan through a
@@ -23,7 +23,7 @@ datamodule are put back as the user configured them; the decisions stay in
 
 Example:
     >>> import lightning.pytorch as L
-    >>> from resource_guard.frontdoors.lightning_callback import ResourceGuard
+    >>> from resource_guard.frontdoors.lightning.callback import ResourceGuard
     >>> trainer = L.Trainer(callbacks=[ResourceGuard(target_batch_size=256)], logger=False)
 """
 
@@ -41,10 +41,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from resource_guard.errors import ConfigurationError, DoesNotFitError, warn_at_user
-from resource_guard.frontdoors import lightning_apply as ap
-from resource_guard.frontdoors import lightning_shapes
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
-from resource_guard.frontdoors.lightning_internals import skip_inherited_step_hooks
+from resource_guard.frontdoors.lightning import apply as ap
+from resource_guard.frontdoors.lightning import shapes as lightning_shapes
+from resource_guard.frontdoors.lightning.internals import skip_inherited_step_hooks
 from resource_guard.observe.profiling import ProfileWindow
 from resource_guard.step.precision import PRECISIONS
 
@@ -177,7 +177,7 @@ class ResourceGuard(Callback):
         self._global_step = 0  # trainer.global_step at the last batch's end: a change is an optimizer step
         self._phases: Any = None  # the LightningPhases switching the monitor's phase clock, while fitting
         self._fixed = ap.Fixed()
-        self._evals = EvalPreflights()  # validation/test/predict pre-flights (frontdoors/lightning_eval.py)
+        self._evals = EvalPreflights()  # validation/test/predict pre-flights (frontdoors/lightning/eval.py)
         self._eval_notes: list[str] = []  # their lines, for the monitor's report once it runs
         self._eval_splits: dict[int, tuple[int, int]] = {}  # fit's validation loaders split: index → sizes
         # an inherited no-op hook still costs a profiler context and a call, ~2.5 µs each, ~10 µs per step
@@ -200,7 +200,7 @@ class ResourceGuard(Callback):
                 )
             self._fixed = dataclasses.replace(self._fixed, accumulation=1, accumulation_source=_MANUAL)
         if self.log_dir is not None and self.monitor and trainer.is_global_zero:
-            from resource_guard.frontdoors.context import check_log_dir
+            from resource_guard.frontdoors.guard.context import check_log_dir
 
             check_log_dir(self.log_dir, "ResourceGuard")  # now, not after seconds of planning
         if self.device is not None:
@@ -257,7 +257,7 @@ class ResourceGuard(Callback):
         if trainer.state.fn == "validate":  # `trainer.validate`; fit's is checked in on_fit_start
             self._preflight_eval(trainer, pl_module, "validate")
         elif self._eval_splits:  # fit's loaders, split in on_fit_start, again after a reload
-            from resource_guard.frontdoors.lightning_eval_split import apply_splits
+            from resource_guard.frontdoors.lightning.eval_split import apply_splits
 
             apply_splits(trainer, "validate", self._eval_splits, reset=True)
         if self._phases is not None:
@@ -274,13 +274,13 @@ class ResourceGuard(Callback):
         self._preflight_eval(trainer, pl_module, "predict")
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from resource_guard.frontdoors.lightning_eval_split import regroup_predictions
+        from resource_guard.frontdoors.lightning.eval_split import regroup_predictions
 
         regroup_predictions(trainer)  # one prediction per loader batch of a split loader
 
     def _preflight_eval(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from resource_guard.frontdoors.lightning_eval import preflight_loops
-        from resource_guard.frontdoors.lightning_eval_split import apply_splits, split_sizes
+        from resource_guard.frontdoors.lightning.eval import preflight_loops
+        from resource_guard.frontdoors.lightning.eval_split import apply_splits, split_sizes
 
         made, fitting = self.plan, trainer.state.fn == "fit"
         checks, splits = preflight_loops(
@@ -321,7 +321,7 @@ class ResourceGuard(Callback):
         loader_batch_size: int | None,
         target: int | None,
     ) -> ap.Decisions:
-        from resource_guard.frontdoors.lightning_manual import manual_step, optimizers_of
+        from resource_guard.frontdoors.lightning.manual import manual_step, optimizers_of
         from resource_guard.planning.planner import plan
 
         optimizers = optimizers_of(trainer, pl_module)  # every optimizer, its state estimated
@@ -437,7 +437,7 @@ class ResourceGuard(Callback):
             loader_info=ap.loader_info(trainer),
             precision=str(trainer.precision) if str(trainer.precision) in PRECISIONS else None,
             memory_history=self.memory_history,
-            phase_timing=True,  # switched at Lightning's own boundaries (frontdoors/lightning_phases.py)
+            phase_timing=True,  # switched at Lightning's own boundaries (frontdoors/lightning/phases.py)
             flops_per_step=(  # a step is an optimizer step: its micro-batches' FLOPs
                 self._flops_per_sample * self.decisions.micro_batch_size * _accumulation(trainer, pl_module)
                 if self._flops_per_sample and self.decisions is not None
@@ -454,7 +454,7 @@ class ResourceGuard(Callback):
         self._monitor.optimizers = tuple(trainer.optimizers)
         self._monitor.start()
         if self._monitor.phases is not None:
-            from resource_guard.frontdoors.lightning_phases import LightningPhases
+            from resource_guard.frontdoors.lightning.phases import LightningPhases
 
             self._phases = LightningPhases(self._monitor.phases, self.state_key)
             self._phases.install(trainer, pl_module)
@@ -522,7 +522,7 @@ class ResourceGuard(Callback):
         fixed = self._fixed
         lines = [f"ResourceGuard plan ({seconds:.1f} s): {_describe(d)}", *(f"- {n}" for n in notes)]
         if fixed.accumulation_source == _MANUAL:
-            from resource_guard.frontdoors.lightning_manual import WHAT_MANUAL_LEAVES
+            from resource_guard.frontdoors.lightning.manual import WHAT_MANUAL_LEAVES
 
             lines.append(f"- {WHAT_MANUAL_LEAVES}")
         elif fixed.accumulation is not None:
@@ -589,7 +589,7 @@ def _flops_per_sample(
     pl_module: pl.LightningModule, batch: Any, manual: Any = None, optimizers: Any = ()
 ) -> float | None:
     """FLOPs of ``training_step`` + backward per sample, counted on fake tensors; None if unknown."""
-    from resource_guard.frontdoors.lightning_manual import manual_flops
+    from resource_guard.frontdoors.lightning.manual import manual_flops
     from resource_guard.observe.throughput import count_flops
     from resource_guard.step.training import batch_size_of
 

@@ -1,10 +1,10 @@
 """Running a Lightning evaluation loader whose batches do not fit as micro-batches that do.
 
-When the evaluation pre-flight (:mod:`~resource_guard.frontdoors.lightning_eval`) finds that a
+When the evaluation pre-flight (:mod:`~resource_guard.frontdoors.lightning.eval`) finds that a
 validation, test or predict loader's batch does not fit, but a smaller one does (``m`` rows, the
 largest that fits), the loader is re-batched into micro-batches of at most ``m`` rows instead of
 stopping: each loader batch of ``n`` rows runs as ``ceil(n / m)`` near-equal consecutive pieces, in
-order, with the mechanisms of the train side (:mod:`~resource_guard.frontdoors.lightning_rebatch`): a
+order, with the mechanisms of the train side (:mod:`~resource_guard.frontdoors.lightning.rebatch`): a
 map-style ``DataLoader`` keeps its sampler, dataset, collate function and workers and its batch
 sampler's index lists are cut (:class:`EvalSplitSampler`), so collate and padding run per piece; any
 other iterable has each ready batch cut along its leading dimension
@@ -23,7 +23,7 @@ micro-batches (one with ``write_interval="epoch"`` listed after ``ResourceGuard`
 the joined predictions: the callback joins them in ``on_predict_epoch_end``).
 
 The loop's loaders are replaced after it set them up and before it iterates them, through the loops'
-private attributes, each read in one function of :mod:`~resource_guard.frontdoors.lightning_internals`
+private attributes, each read in one function of :mod:`~resource_guard.frontdoors.lightning.internals`
 (the loop's combined loader, its batch counts, its iterator, the predictions).
 
 Example:
@@ -44,13 +44,13 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from resource_guard.errors import ConfigurationError, warn_at_user
-from resource_guard.frontdoors.lightning_internals import (
+from resource_guard.frontdoors.lightning.internals import (
     eval_batch_counts,
     eval_combined_loader,
     predict_outputs,
     restart_eval_iterator,
 )
-from resource_guard.frontdoors.lightning_rebatch import PiecesOf, _remade
+from resource_guard.frontdoors.lightning.rebatch import PiecesOf, _remade
 from resource_guard.step.batching import even_bounds, split_batch
 from resource_guard.step.training import batch_size_of
 

@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
 from resource_guard.estimate.user_step import NoOptimizer, StepContext, UserStep, count_user_step_flops
-from resource_guard.frontdoors.lightning_hooks import call_training_step
+from resource_guard.frontdoors.lightning.hooks import call_training_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

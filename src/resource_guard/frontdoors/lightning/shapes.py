@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from resource_guard.errors import warn_at_user
-from resource_guard.frontdoors.lightning_apply import Decisions, detached_trainer, training_step_loss
-from resource_guard.frontdoors.lightning_internals import drop_train_dataloader
+from resource_guard.frontdoors.lightning.apply import Decisions, detached_trainer, training_step_loss
+from resource_guard.frontdoors.lightning.internals import drop_train_dataloader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -92,6 +92,6 @@ def _step_of(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Any, A
     under automatic optimization; every optimizer and the module's own step under manual optimization."""
     if pl_module.automatic_optimization:
         return trainer.optimizers[0], training_step_loss
-    from resource_guard.frontdoors.lightning_manual import manual_step, optimizers_of
+    from resource_guard.frontdoors.lightning.manual import manual_step, optimizers_of
 
     return optimizers_of(trainer, pl_module), manual_step(trainer, pl_module)
