@@ -101,6 +101,9 @@ class OpWork:
     ``variant``: a matmul's layout (``"nt"``: its second operand a transposed view; ``"rnn"``: a fused
     recurrent layer, run as ``steps`` sequential time steps), an attention's ``"forward"`` /
     ``"backward"`` (over ``steps`` heads: batch × heads), a copy's ``"cast"`` (dtype change).
+    ``shape``: a matmul's ``(batch, m, n, k)`` and an attention's ``(batch × heads, queries, keys, head
+    size)`` (a GPU's tiles and waves depend on them); empty for other operators. A causal attention's
+    ``flops`` count the half its kernel computes.
     """
 
     op_class: str
@@ -111,6 +114,7 @@ class OpWork:
     phase: str = ""
     variant: str = ""
     steps: int = 1
+    shape: tuple[int, ...] = ()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -172,6 +176,15 @@ def _matmul_layout(name: str, args: tuple) -> str:
     return "".join("t" if _is_transposed(t) else "n" for t in operands)
 
 
+def _matmul_shape(name: str, args: tuple) -> tuple[int, ...]:
+    """``(batch, m, n, k)`` of ``mm``/``addmm``/``bmm``/``baddbmm`` (empty for other operators)."""
+    operands = args[1:3] if name in ("addmm", "baddbmm") else args[:2]
+    if len(operands) < 2 or not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in operands):
+        return ()
+    a, b = operands
+    return (math.prod(a.shape[:-2]), int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1]))
+
+
 def _rnn_flops(name: str, ins: list[torch.Tensor]) -> float:
     """A fused recurrent layer (``mkldnn_rnn_layer``): its input and hidden projections, 2× backward."""
     floats = [t for t in ins if t.is_floating_point()]
@@ -213,10 +226,17 @@ def classify_op(func: Any, args: tuple, kwargs: dict, out: Any) -> OpWork:
     if "attention" in name:
         flops = _registry_flops(func, args, kwargs, out)
         variant = "backward" if "backward" in name else "forward"
-        flops = flops if flops is not None else _cpu_attention_flops(func, args, kwargs)
-        query = _arg(func, args, kwargs, "query")
+        causal = bool(_arg(func, args, kwargs, "is_causal", False))
+        if flops is None:
+            flops = _cpu_attention_flops(func, args, kwargs)
+        elif causal:  # the registry counts a causal attention whole; its kernel skips the masked half
+            flops *= 0.5
+        query, key = _arg(func, args, kwargs, "query"), _arg(func, args, kwargs, "key")
         heads = math.prod(query.shape[:-2]) if isinstance(query, torch.Tensor) and query.dim() > 2 else 1
-        return dataclasses.replace(work("attention", flops, moved, variant), steps=int(heads))
+        shape: tuple[int, ...] = ()
+        if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() >= 2:
+            shape = (int(heads), int(query.shape[-2]), int(key.shape[-2]), int(query.shape[-1]))
+        return dataclasses.replace(work("attention", flops, moved, variant), steps=int(heads), shape=shape)
     if "rnn" in name or "lstm" in name or "gru" in name:
         first = ins[0] if ins else None  # time-major here whatever the module's batch_first
         steps = first.shape[0] if first is not None and first.dim() == 3 else 1
@@ -228,7 +248,8 @@ def classify_op(func: Any, args: tuple, kwargs: dict, out: Any) -> OpWork:
     if flops is not None:
         if "conv" in name:
             return work("conv", flops, moved, "backward" if "backward" in name else "forward")
-        return work("matmul", flops, moved, _matmul_layout(name, args))
+        matmul = work("matmul", flops, moved, _matmul_layout(name, args))
+        return dataclasses.replace(matmul, shape=_matmul_shape(name, args))
     if name in _NAMED_RATES:  # slow beyond their bytes on a CPU: timed by their own calibrated rate
         return work("elementwise", float(max((t.numel() for t in (*ins, *outs)), default=0)), moved, "named")
     if any(t in name for t in _TRANSCENDENTAL):
@@ -259,10 +280,13 @@ def count_step_ops(
     *,
     precision: str = "32-true",
     checkpoint_every: int = 0,
+    device: Any = "cpu",
 ) -> StepOps:
-    """Trace one step on fake tensors (the memory estimate's trace, on the CPU) and list its operators.
+    """Trace one step on fake tensors (the memory estimate's trace) and list its operators.
 
     ``checkpoint_every``: 0 none, 1 every block, k every k-th block (the recompute is traced).
+    ``device``: the target (a kind or a catalog name/spec): its behaviour is traced (autocast's policy,
+    the attention kernel, the optimizer's code path: a for-loop on the CPU, ``foreach`` on a GPU).
     """
     from resource_guard.estimate.estimator import estimate_memory
     from resource_guard.estimate.trace.tracer import observe_ops
@@ -279,13 +303,17 @@ def count_step_ops(
     handle = apply_checkpointing(model, every=checkpoint_every) if checkpoint_every else None
     try:
         with observe_ops(observe):
-            estimate_memory(model, optimizer, batch, loss_fn, device="cpu", precision=precision)
+            estimate_memory(model, optimizer, batch, loss_fn, device=device, precision=precision)
     finally:
         if handle is not None:
             handle.remove()
     variants = {p for p, _ in seen if p.startswith("optimizer:")}
     # the code path the CPU runs: a for-loop unless the optimizer's settings fix it ("as-set")
-    path = "optimizer:as-set" if "optimizer:as-set" in variants else "optimizer:for-loop"
+    gpu = getattr(device, "kind", device) in ("cuda", "rocm") or (
+        isinstance(device, str) and device not in ("cpu", "mps") and "optimizer:foreach" in variants
+    )
+    default = "optimizer:foreach" if gpu and "optimizer:foreach" in variants else "optimizer:for-loop"
+    path = "optimizer:as-set" if "optimizer:as-set" in variants else default
     micro = tuple(w for p, w in seen if p.split(":")[0] in ("forward", "backward"))
     trained = [p for p in model.parameters() if p.requires_grad]
     return StepOps(
