@@ -144,3 +144,49 @@ def test_estimate_floors_import_downward_only() -> None:
         if (_estimate_floor(dep) or 0) > _estimate_floor(m)  # type: ignore[operator]
     ]
     assert bad == []
+
+
+# frontdoors/'s floors: the run's lifecycle (frontdoors/run*) and the pieces every door shares are under
+# the doors; a door imports them and never another door; the run imports no framework
+FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate", "peft", "trl")
+DOORS = ("guard", "lightning", "hf")
+
+
+def _door(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["resource_guard", "frontdoors"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in DOORS else "shared"
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_run_lifecycle_imports_no_framework() -> None:
+    runs = [
+        p
+        for p in (PKG / "frontdoors").rglob("*.py")
+        if p.relative_to(PKG / "frontdoors").parts[0].startswith("run")
+    ]
+    assert runs, "frontdoors/run* is where the doors' shared run lifecycle lives"
+    bad = {str(p.relative_to(PKG)): sorted(_third_party_imports(p) & set(FRAMEWORKS)) for p in runs}
+    assert {k: v for k, v in bad.items() if v} == {}
+    # nor any door: it is the floor the doors stand on
+    assert [d for p in runs for d in _imports(p) if _door(d) in DOORS] == []
+
+
+def test_no_door_imports_another_door() -> None:
+    bad = [
+        f"{m} -> {dep}"
+        for m, deps in _graph().items()
+        for dep in deps
+        if _door(m) in DOORS and _door(dep) in DOORS and _door(m) != _door(dep)
+    ]
+    assert bad == []

@@ -97,7 +97,7 @@ def test_evaluation_and_checkpoints_every_few_steps_are_named_not_data_wait(tmp_
     markdown = (tmp_path / "out" / "resource_guard" / "report.md").read_text()
     assert "evaluation" in markdown and "checkpoint" in markdown
     # everything put back: the loader's class, the optimizer's hooks
-    assert guard._phases is None
+    assert guard._run.phases is None
     assert type(trainer.callback_handler.train_dataloader.base_dataloader) is torch.utils.data.DataLoader
     assert not trainer.optimizer.optimizer._optimizer_step_pre_hooks
 

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from resource_guard.errors import ConfigurationError
 from resource_guard.observe.profiling import ProfileWindow
 from resource_guard.step.precision import PRECISIONS, parse_precision
 
-__all__ = ["SHARED", "check_shared", "refused"]
+__all__ = ["SHARED", "check_log_dir", "check_shared", "refused"]
 
 SHARED = ("memory_limit", "precision", "target_batch_size", "max_seq_len", "log_dir", "profile", "monitor")
 
@@ -94,3 +95,20 @@ def check_shared(
     if not isinstance(monitor, bool):
         raise refused(call, "monitor", monitor, "True or False")
     return precision  # type: ignore[no-any-return]
+
+
+def check_log_dir(path: str | os.PathLike[str], call: str = "guard") -> None:
+    """Make ``path`` (and parents) and prove it writable, or raise a ConfigurationError naming ``call``."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # one name per process: the ranks of a DDP run check the same log dir at the same moment, and one
+        # rank's unlink must not remove the probe another rank is about to unlink
+        probe = path / f".resource_guard_write_test.{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigurationError(
+            f"`{call}(log_dir={str(path)!r})` is not writable ({error.strerror or error}); pick another "
+            "directory."
+        ) from None

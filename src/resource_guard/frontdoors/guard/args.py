@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from resource_guard.errors import ConfigurationError
+from resource_guard.frontdoors.vocabulary import check_log_dir
 
 if TYPE_CHECKING:
     from resource_guard.devices import DeviceSpec
@@ -70,20 +70,3 @@ def check_device_and_catalog(device: Any, catalog: Any) -> Any:
             f"`guard(device={device!r})`: {error} Local devices: 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'."
         ) from None
     return catalog
-
-
-def check_log_dir(path: str | os.PathLike[str], call: str = "guard") -> None:
-    """Make ``path`` (and parents) and prove it writable, or raise a ConfigurationError naming ``call``."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        # one name per process: the ranks of a DDP run check the same log dir at the same moment, and one
-        # rank's unlink must not remove the probe another rank is about to unlink
-        probe = path / f".resource_guard_write_test.{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise ConfigurationError(
-            f"`{call}(log_dir={str(path)!r})` is not writable ({error.strerror or error}); pick another "
-            "directory."
-        ) from None

@@ -1,6 +1,6 @@
 """Run-time pieces of the Hugging Face ``Trainer`` door (:mod:`~resource_guard.frontdoors.hf.trainer`): the
 model's forward pre-hook object, accelerate's autocast wrapper taken off for a trace (the one private seam),
-the agreement across ranks, the Trainer's TensorBoard run, and the messages of a step that does not fit.
+the Trainer's TensorBoard run, its monitor, and the messages of a step that does not fit.
 
 Example:
     >>> mib(3 * 2**20)
@@ -19,8 +19,6 @@ import torch
 from torch import nn
 
 from resource_guard.errors import (
-    DoesNotFitError,
-    PredictedOutOfMemoryError,
     warn_at_user,
 )
 from resource_guard.frontdoors.hf import step as hf_step
@@ -30,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ModelHook",
-    "agree",
     "build_monitor",
     "checkpointed",
     "default_collator",
@@ -40,7 +37,6 @@ __all__ = [
     "tensorboard_writer",
     "too_big_message",
     "without_accelerate_autocast",
-    "world",
 ]
 
 
@@ -126,44 +122,6 @@ def default_collator() -> Any:
     return default_data_collator
 
 
-def world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def agree(error: BaseException | None, shapes_on: bool) -> tuple[BaseException | None, bool]:
-    """One collective after every rank's pre-flight: this rank's error, or, when another rank failed,
-    an error of the same kind saying so; and whether the shape guard stays on (on every rank, or on
-    none: a rank must not wait in a per-batch agreement alone).
-
-    Each rank sends 0 (its pre-flight failed), 1 (its batch is predicted to run out of memory:
-    ``auto_find_batch_size`` is to lower it on every rank alike), 2 (fits, no shape guard) or 3; the
-    smallest value decides.
-    """
-    if world() <= 1:
-        return error, shapes_on
-    from resource_guard.frontdoors.shape_guard import agree_min
-
-    too_big = isinstance(error, PredictedOutOfMemoryError)
-    mine = 2 + int(shapes_on) if error is None else int(too_big)
-    agreed = agree_min(mine)
-    if agreed >= 2:
-        return None, agreed == 3
-    if error is not None and agreed == mine:
-        return error, False
-    if agreed == 1:
-        return PredictedOutOfMemoryError(
-            "another rank's per-device batch is predicted to run out of memory. Every rank lowers the batch "
-            "(auto_find_batch_size) before step 0."
-        ), False
-    return DoesNotFitError(
-        "the Trainer's step does not fit on another rank; every rank stops before step 0 (that rank's "
-        "error has the report).",
-        None,
-    ), False
-
-
 def per_device_rows(args: Any, state: Any) -> int:
     """The per-device batch of this attempt: the Trainer's own (``state.train_batch_size``, which
     ``auto_find_batch_size`` lowers on each retry while ``args.per_device_train_batch_size`` stays), per
@@ -215,33 +173,27 @@ def tensorboard_writer(args: Any) -> Any:
 
 def build_monitor(
     args: Any,
-    state: Any,
     made: Plan,
     log_dir: str | os.PathLike[str],
     profile: Any,
     writer: Any,
-    shapes: Any,
     flops_per_step: float | None = None,
 ) -> Any:
-    """The :class:`~resource_guard.RunMonitor` of a Trainer run (not started): one step per optimizer step
-    (the Trainer's ``global_step``, its loggers' x-axis), the plan's estimate and capacity, the loader's
-    settings from ``args``, the step's model FLOPs (``flops_per_step``: one micro-step's, times the
-    accumulation; MFU where the device's peak is known); only process zero writes."""
-    from resource_guard.observe.monitor import RunMonitor
+    """The :class:`~resource_guard.RunMonitor` of a Trainer run (not started; see
+    :func:`~resource_guard.frontdoors.run.new_monitor`): one step per optimizer step (the Trainer's
+    ``global_step``, its loggers' x-axis), the loader's settings from ``args``, the step's model FLOPs
+    (``flops_per_step``: one micro-step's, times the accumulation; MFU where the device's peak is known);
+    only process zero writes."""
+    from resource_guard.frontdoors.run import new_monitor
 
-    device = torch.device(args.device)
-    on_gpu = device.type == "cuda"
     rank0 = args.process_index == 0
     steps = int(getattr(args, "logging_steps", 0) or 0)
-    monitor = RunMonitor(
+    return new_monitor(
+        made,
+        torch.device(args.device),
         log_dir if rank0 else None,
-        device=device,
         log_every_n_steps=steps if steps >= 1 else 50,
         profile=profile,
-        estimate=made.estimate,
-        capacity_bytes=made.fit.capacity_bytes if on_gpu else None,
-        planned_capacity_bytes=made.fit.capacity_bytes,
-        device_spec=made.device if on_gpu and made.device.source == "detected" else None,
         writer=writer,
         rank=int(args.process_index),
         world_size=max(1, int(args.world_size)),
@@ -255,14 +207,4 @@ def build_monitor(
         flops_per_step=flops_per_step * max(1, int(args.gradient_accumulation_steps))
         if flops_per_step
         else None,
-        phase_timing=True,  # switched at the Trainer's boundaries (frontdoors/hf/phases.py)
     )
-    max_steps = int(getattr(state, "max_steps", 0) or 0)
-    monitor.total_steps = max_steps if max_steps > 0 else None
-    monitor.shape_stats = shapes.stats if shapes is not None else None
-    from resource_guard.report.plan_advice import plan_rows
-
-    monitor.plan_rows = plan_rows(made)  # the advice quotes the configuration it recommends
-    for line in made.reasons:
-        monitor.note(line)
-    return monitor

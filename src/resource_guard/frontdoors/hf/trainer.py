@@ -39,57 +39,39 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import dataclasses
 import os
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from transformers import TrainerCallback
 
 from resource_guard.devices import parse_memory_limit
-from resource_guard.errors import (
-    ConfigurationError,
-    DoesNotFitError,
-    PredictedOutOfMemoryError,
-    warn_at_user,
-)
+from resource_guard.errors import ConfigurationError, DoesNotFitError
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.frontdoors.hf import step as hf_step
 from resource_guard.frontdoors.hf.phases import TrainerPhases
-from resource_guard.frontdoors.hf.plan import auto_detected, planned_by, render, say
-from resource_guard.frontdoors.hf.runtime import (
-    ModelHook,
-    agree,
-    build_monitor,
-    checkpointed,
-    default_collator,
-    kept_message,
-    mib,
-    per_device_rows,
-    predicted_oom_message,
-    tensorboard_writer,
-    too_big_message,
-    without_accelerate_autocast,
+from resource_guard.frontdoors.hf.plan import planned_by, say
+from resource_guard.frontdoors.hf.preflight import (
+    check_against,
+    confirm_line,
+    preflight_step,
+    render_preflight,
 )
+from resource_guard.frontdoors.hf.runtime import build_monitor, per_device_rows, tensorboard_writer
+from resource_guard.frontdoors.hf.watch import ModelWatch, as_planned
+from resource_guard.frontdoors.run import Run, RunEndedEarly, agree
 from resource_guard.observe.oom import is_oom
 from resource_guard.observe.profiling import ProfileWindow
 
 if TYPE_CHECKING:
     from resource_guard.planning.planner import Plan
 
-__all__ = ["ResourceGuardCallback"]
+__all__ = ["ResourceGuardCallback", "RunEndedEarly"]
 
 _TEXT_TAG = "resource_guard/plan"
-
-
-class RunEndedEarly(RuntimeError):
-    """The Trainer's run ended without ``on_train_end``, by an error the callback did not see."""
 
 
 class ResourceGuardCallback(TrainerCallback):
@@ -184,20 +166,15 @@ class ResourceGuardCallback(TrainerCallback):
         self.shape_stats: dict[str, Any] | None = None
         self._evals = EvalPreflights()
         self._args: Any = None
-        self._model: nn.Module | None = None
-        self._hooks: tuple[Any, ...] = ()
-        self._flops_per_step: float | None = None
         self._rows = 0  # the per-device batch of this attempt (auto_find_batch_size lowers it)
-        self._errors_before: Any = None  # sys.last_value when the monitor started: an older error
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._loss: Any = None
-        self._keys: dict[str, tuple[torch.Size, torch.dtype]] = {}  # the planned batch's tensors
+        self._made: Any = None  # the pre-flight's Preflight: optimizer, loss, shape guard, planned tensors
         self._shapes: Any = None
-        self._monitor: Any = None
-        self._phases: TrainerPhases | None = None  # switches the monitor's phase clock while training
-        self._writer: Any = None
+        self._run = Run("ResourceGuardCallback")
+        self._writer: Any = None  # the Trainer's TensorBoard run, written by the monitor
+        self._hooks = ModelWatch(
+            self._train_forward, self._eval_forward, self._forward_end, self._forward_error
+        )
         self._eval_pending = True
-        self._inside = False  # our own traces call the model: the hook ignores them
         self._input_name: str | None = None  # the processing class's first model input (its lengths)
 
     @classmethod
@@ -228,10 +205,10 @@ class ResourceGuardCallback(TrainerCallback):
             kwargs["loss_fn"] = loss_fn
         callback = cls(**kwargs)
         callback._args = trainer.args
-        callback._check_against(trainer.args)
+        check_against(callback, trainer.args)
         trainer.add_callback(callback)
         if isinstance(trainer.model, nn.Module):
-            callback._watch(trainer.model)
+            callback._hooks.watch(trainer.model)
         return callback
 
     @property
@@ -243,9 +220,9 @@ class ResourceGuardCallback(TrainerCallback):
         """Check the shared settings against the Trainer's arguments, and watch the model from the start,
         so that an evaluation before any training is pre-flighted."""
         self._args = args
-        self._check_against(args)
+        check_against(self, args)
         if isinstance(model, nn.Module):
-            self._watch(model)
+            self._hooks.watch(model)
 
     def on_train_begin(
         self,
@@ -259,63 +236,70 @@ class ResourceGuardCallback(TrainerCallback):
     ) -> None:
         """The pre-flight of the configured step on every rank; ``DoesNotFitError`` before step 0."""
         self._args = args
-        self._check_against(args)  # also here: a callback added after the Trainer was built
+        check_against(self, args)  # also here: a callback added after the Trainer was built
         self._input_name = hf_step.input_name_of(kwargs.get("processing_class"))
-        if self._monitor is not None:  # the previous run ended without on_train_end
-            self._stop_run(self._ended_early("the Trainer started training again before this run ended"))
+        if self._run.monitor is not None:  # the previous run ended without on_train_end
+            self._stop_run(self._run.ended_early("the Trainer started training again before this run ended"))
         self.plan, self.report, self.shape_stats, self._eval_pending = None, None, None, True
         if not isinstance(model, nn.Module) or optimizer is None or train_dataloader is None:
             return
-        self._watch(model)
+        self._hooks.watch(model)
         started = time.perf_counter()
         error: BaseException | None = None
         self._rows = per_device_rows(args, state)
         try:
-            notes = self._preflight(args, model, optimizer, train_dataloader)
+            self._preflight(args, model, optimizer, train_dataloader)
         except Exception as failure:  # every rank must reach the agreement below, also after an error
-            error, notes = failure, []
-        # the one collective of the pre-flight, made by every rank whatever its pre-flight did
-        error, shapes_on = agree(error, self._shapes is not None)
-        if error is not None:
-            raise error
-        if not shapes_on:
-            self._shapes = None  # off on every rank alike
-        assert self.plan is not None
+            error = failure
+        # the one collective of the pre-flight, made by every rank whatever its pre-flight did; the shape
+        # guard stays on on every rank or on none (a rank must not wait in a per-batch agreement alone)
+        agreed = agree([int(self._shapes is not None)], error)
+        if agreed.error is not None:
+            raise agreed.error
+        assert self.plan is not None and agreed.row is not None
+        if not agreed.row[0]:
+            self._shapes = None
         if self.verbose and args.process_index == 0:
             seconds = time.perf_counter() - started
             # arguments plan_training_args made were printed with their plan: one line confirms it
             say(
-                self._confirm(args, seconds)
+                confirm_line(self.plan, args, seconds, self._shapes is not None)
                 if planned_by(args) is not None
-                else self._render(args, seconds, notes)
+                else render_preflight(self.plan, args, self._rows, self._hooks.model, seconds)
             )
         if self.monitor:
             self._start_monitor(args, state, train_dataloader)
 
+    def _preflight(self, args: Any, model: nn.Module, optimizer: Any, loader: Any) -> list[str]:
+        made = preflight_step(
+            self, args, model, optimizer, loader, self._rows, self._hooks.tracing, self._input_name
+        )
+        self._made, self._shapes, self.plan = made, made.shapes, made.plan
+        return made.notes
+
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # a micro-batch of an accumulating step: its phases end, the monitor's step (an optimizer step,
         # the Trainer's global_step) goes on
-        if self._phases is not None:
-            self._phases.substep_end()
+        if self._run.phases is not None:
+            self._run.phases.substep_end()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._phases is not None:
-            self._phases.step_end()
-        if self._monitor is not None:
-            self._monitor.step_end()
+        if self._run.phases is not None:
+            self._run.phases.step_end()
+        self._run.call("step_end")
 
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._phases is not None:
-            self._phases.logged()
+        if self._run.phases is not None:
+            self._run.phases.logged()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._phases is not None:
-            self._phases.saved()
+        if self._run.phases is not None:
+            self._run.phases.saved()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._eval_pending = True  # the next evaluation's first batch is checked (once per shape)
-        if self._phases is not None:
-            self._phases.evaluated()
+        if self._run.phases is not None:
+            self._run.phases.evaluated()
 
     def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
         self._eval_pending = True
@@ -324,277 +308,59 @@ class ResourceGuardCallback(TrainerCallback):
         """Write and print the report; the model stays watched for later evaluations."""
         self._stop_run()
 
-    def _check_against(self, args: Any) -> None:
-        """Refuse, before any step, a shared setting the built Trainer does not have: this callback
-        changes none (``plan_training_args`` plans them before the Trainer is built)."""
-        call = "ResourceGuardCallback"
-        if self.precision is not None:
-            own = hf_step.precision_of(args) or "32-true"
-            kept = (
-                "bf16=True" if own == "bf16-mixed" else "fp16=True" if own == "16-mixed" else "no bf16/fp16"
-            )
-            if self.precision == "auto":
-                raise ConfigurationError(
-                    f"`{call}(precision='auto')`: the Trainer's precision is its TrainingArguments' ({own}: "
-                    f"{kept}), fixed when the Trainer is built; this callback changes no setting. Let the "
-                    "planner choose it before: `args = plan_training_args(model, args, train_dataset, "
-                    "precision='auto')`, or leave `precision` out to keep the arguments' precision."
-                )
-            if self.precision != own:
-                raise ConfigurationError(
-                    f"`{call}(precision={self.precision!r})` is not the TrainingArguments' precision ({own}: "
-                    f"{kept}), which the Trainer runs; set it in the TrainingArguments (or plan them with "
-                    f"`plan_training_args(..., precision={self.precision!r})`), or leave `precision` out."
-                )
-        if self.target_batch_size is not None:
-            rows, acc = int(args.per_device_train_batch_size), max(1, int(args.gradient_accumulation_steps))
-            world = max(1, int(getattr(args, "world_size", 1) or 1))
-            if self.target_batch_size != rows * acc * world:
-                raise ConfigurationError(
-                    f"`{call}(target_batch_size={self.target_batch_size})` is not the Trainer's effective "
-                    f"batch, per_device_train_batch_size {rows} × gradient_accumulation_steps {acc} × world "
-                    f"size {world} = {rows * acc * world}; this callback changes no setting. Plan the "
-                    "arguments before building the Trainer: `args = plan_training_args(model, args, "
-                    f"train_dataset, target_batch_size={self.target_batch_size})`."
-                )
-        if self.log_dir is not None and self.monitor and int(getattr(args, "process_index", 0) or 0) == 0:
-            from resource_guard.frontdoors.guard.args import check_log_dir
-
-            check_log_dir(self.log_dir, call)  # now, not after the pre-flight
-
-    # -- the pre-flight --------------------------------------------------------------------------
-    def _preflight(self, args: Any, model: nn.Module, optimizer: Any, loader: Any) -> list[str]:
-        from resource_guard.frontdoors.shape_guard import start_shape_guard
-        from resource_guard.planning.planner import plan
-        from resource_guard.planning.worst_case import describe_signature, signature_of
-
-        self._optimizer = hf_step.unwrap_optimizer(optimizer)
-        self._loss = hf_step.trainer_loss(
-            model, args, compute_loss_func=self.compute_loss_func, loss_fn=self.loss_fn
-        )
-        step = hf_step.trainer_step(self._loss, args.max_grad_norm)
-        rows = self._rows
-        collate = getattr(loader, "collate_fn", None) or default_collator()
-        batch = sample = hf_step.sample_batch(loader.dataset, collate, rows, args.device)
-        notes: list[str] = []
-        worst = None
-        if self.check_shapes:
-            worst = hf_step.worst_case_of(
-                batch, max_seq_len=self.max_seq_len, worst_case_batch=self.worst_case_batch,
-                collate=collate, dataset=loader.dataset,
-            ) or hf_step.longest_batch(
-                batch, loader.dataset, collate, rows, args.device, input_name=self._input_name
-            )  # fmt: skip
-        if worst is not None:
-            batch = worst[0]
-            notes.append(
-                f"planned for the run's largest batch, {describe_signature(signature_of(batch))} ({worst[1]})"
-            )
-        if checkpointed(model):
-            notes.append(
-                "gradient checkpointing: the model's own (`gradient_checkpointing=True`), traced as it runs"
-            )
-        world = max(1, int(args.world_size))
-        precision = hf_step.precision_of(args) or "32-true"
-        with self._tracing(model):
-            made = plan(
-                model, [self._optimizer], batch, step, device=self.device or str(args.device),
-                target_batch_size=rows * world, headroom=self.headroom, precision=precision,
-                checkpointing=False, world_size=world, strategy="ddp" if world > 1 else "single",
-                memory_limit=self.memory_limit, allow_rough=True,
-            )  # fmt: skip
-        self.plan = made
-        acc = max(1, int(args.gradient_accumulation_steps))
-        if made.accumulation_steps == 1 and acc > 1:  # micro-steps 2..k start with the gradients allocated
-            kept = made.estimate.for_device(made.device, headroom=self.headroom, gradients_kept=True)
-            made = self.plan = dataclasses.replace(
-                made, accumulation_steps=acc, target_batch_size=rows * acc * world, fit=kept
-            )
-            if not kept.fits:
-                message = kept_message(acc, kept, made.device.name)
-                if args.auto_find_batch_size:  # a smaller batch leaves room for the gradients
-                    oom = f"ResourceGuard predicts the step runs out of memory. {message}"
-                    raise PredictedOutOfMemoryError(oom, made)
-                raise DoesNotFitError(message, made)
-        elif made.accumulation_steps > 1:
-            if args.auto_find_batch_size:  # accelerate's loop lowers the batch and calls again
-                raise PredictedOutOfMemoryError(predicted_oom_message(rows, made), made)
-            raise DoesNotFitError(too_big_message(rows, acc, precision, made), made)
-        if self.monitor:  # model FLOPs of the run's typical batch, for MFU
-            self._flops_per_step = self._count_flops(model, sample)
-        self._keys = {k: (v.shape, v.dtype) for k, v in batch.items() if isinstance(v, torch.Tensor)} if (
-            isinstance(batch, dict)
-        ) else {}  # fmt: skip
-        if self.check_shapes:
-            try:
-                with self._tracing(model):
-                    self._shapes, more = start_shape_guard(
-                        model, [self._optimizer], batch, step, made, traced_plan=True,
-                        trace_context=lambda: self._tracing(model),
-                    )  # fmt: skip
-                notes += [
-                    *more,
-                    "shape guard: each batch is checked before it runs; one that would not fit stops the run",
-                ]
-            except DoesNotFitError:
-                raise
-            except Exception as error:  # our check never stops the run
-                warn_at_user(f"ResourceGuardCallback: the shape check is off: {error!r}")
-                self._shapes = None
-        self.plan = auto_detected(dataclasses.replace(made, reasons=(*made.reasons, *notes)), self.device)
-        return notes
-
-    def _count_flops(self, model: nn.Module, batch: Any) -> float | None:
-        """Model FLOPs of one micro-step (forward and backward, the loader's first batch: the run's
-        typical one, not its worst case), for MFU; counted on a fake copy in eval mode, so that the
-        model's own gradient checkpointing does not count its recomputed forward."""
-        from resource_guard.observe.throughput import count_flops
-
-        loss = self._loss
-
-        def model_flops_loss(m: nn.Module, b: Any) -> Any:
-            return loss(m.eval(), b)
-
-        with self._tracing(model):
-            return count_flops(model, batch, model_flops_loss)
-
-    def _confirm(self, args: Any, seconds: float) -> str:
-        """One line: the Trainer's step is the one ``plan_training_args`` planned (and printed), and fits."""
-        assert self.plan is not None
-        made = self.plan
-        guard = "; each batch checked before it runs" if self._shapes is not None else ""
-        acc = args.gradient_accumulation_steps
-        used, usable = mib(made.fit.device_total_bytes), mib(made.fit.usable_bytes)
-        return (
-            f"ResourceGuard pre-flight of the Trainer's step ({seconds:.1f} s): as plan_training_args "
-            f"planned it (per-device batch {made.micro_batch_size} × accumulation {acc}, {made.precision}): "
-            f"{used} of {usable} usable on {made.device.name}, fits{guard}"
-        )
-
-    def _render(self, args: Any, seconds: float, notes: list[str]) -> str:
-        assert self.plan is not None
-        settings = {
-            "per_device_train_batch_size": self._rows,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "bf16": bool(args.bf16),
-            "fp16": bool(args.fp16),
-            hf_step.checkpointing_fields(args)[0]: bool(getattr(args, hf_step.checkpointing_fields(args)[0])),
-        }
-        made, acc = self.plan, args.gradient_accumulation_steps
-        ckpt = self._model is not None and checkpointed(self._model)
-        head = (
-            f"ResourceGuard pre-flight of the Trainer's step ({seconds:.1f} s): per-device batch "
-            f"{made.micro_batch_size} × accumulation {acc} × world size {made.world_size} = "
-            f"{made.micro_batch_size * acc * made.world_size}; precision {made.precision}; gradient "
-            f"checkpointing {'on' if ckpt else 'off'}: "
-            f"{mib(made.fit.device_total_bytes)} of {mib(made.fit.usable_bytes)} usable, fits"
-        )
-        return render(made, settings, seconds, head)
-
-    @contextlib.contextmanager
-    def _tracing(self, model: nn.Module) -> Iterator[None]:
-        """Our own traces: the hook ignores them; the Trainer's autocast (when a check runs inside its
-        forward) is off, as the estimate emulates the precision itself; grad mode on (the estimates
-        trace a step and decide eval mode themselves)."""
-        inside, self._inside = self._inside, True
-        try:
-            with contextlib.ExitStack() as stack:
-                for kind in ("cpu", "cuda"):
-                    if torch.is_autocast_enabled(kind):
-                        stack.enter_context(torch.autocast(kind, enabled=False))
-                stack.enter_context(without_accelerate_autocast(model))
-                stack.enter_context(torch.enable_grad())  # an evaluation loop runs under no_grad
-                yield
-        finally:
-            self._inside = inside
-
-    # -- the batches, seen by the model ------------------------------------------------------------
-    def _watch(self, model: nn.Module) -> None:
-        if self._model is model and self._hooks:
-            return
-        for hook in self._hooks:
-            hook.remove()
-        self._model = model
-        self._hooks = (
-            model.register_forward_pre_hook(ModelHook(self._before_forward), with_kwargs=True),
-            model.register_forward_hook(ModelHook(self._after_forward), always_call=True),
-        )
-
-    def _after_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """After every forward, also one that raised (``always_call``: then ``output`` is ``None`` and the
-        error is being handled): an out-of-memory error in training closes the run now, while the
-        allocator still holds what the step allocated."""
-        if self._monitor is None or self._inside or module is not self._model:
-            return
-        if output is not None:
-            if self._phases is not None:
-                self._phases.forward_end(module.training)
-            return
-        error = sys.exc_info()[1]
-        if module.training and is_oom(error):
-            self._stop_run(error)
-
-    def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._inside or module is not self._model:
-            return
-        if not module.training:
-            if self._phases is not None:
-                self._phases.forward_start(False)
-            if self.check_eval and self._eval_pending:
-                self._eval_pending = False
-                self._preflight_eval(module, kwargs)
-            return
-        batch = self._as_planned(kwargs)
+    # -- the model's forwards (frontdoors/hf/watch.py) -------------------------------------------
+    def _train_forward(self, kwargs: dict[str, Any]) -> None:
+        """A training batch, about to run: the shape guard's check, then the monitor's step begins."""
+        batch = as_planned(kwargs, self._made.keys) if self._made is not None else None
         if self._shapes is not None and batch is not None:
             try:
-                with self._tracing(module):
+                with self._hooks.tracing():
                     self._shapes.stop_if_too_big(batch)
             except DoesNotFitError as error:
                 self._stop_run(error)
                 raise
-        if self._monitor is not None:
-            self._monitor.batch_ready(batch if batch is not None else kwargs)
-        if self._phases is not None:
-            self._phases.forward_start(True)
+        self._run.call("batch_ready", batch if batch is not None else kwargs)
+        if self._run.phases is not None:
+            self._run.phases.forward_start(True)
 
-    def _as_planned(self, kwargs: dict[str, Any]) -> dict[str, Any] | None:
-        """The forward's keyword tensors as the planned batch had them: the Trainer's extra arguments
-        (``num_items_in_batch``) left out; labels the Trainer took out for its own loss (label smoothing)
-        put back as the tensor of the planned batch's shape and dtype (``input_ids``) the forward has.
-        ``None`` when the batch cannot be matched (the check then skips it)."""
-        if not self._keys:
-            return None
-        batch: dict[str, Any] = {}
-        for key, planned in self._keys.items():
-            if key in kwargs:
-                batch[key] = kwargs[key]
-                continue
-            twin = next((k for k, p in self._keys.items() if k in kwargs and p == planned), None)
-            if twin is None:
-                return None
-            batch[key] = kwargs[twin]
-        return batch
+    def _eval_forward(self, kwargs: dict[str, Any]) -> None:
+        if self._run.phases is not None:
+            self._run.phases.forward_start(False)
+        if self.check_eval and self._eval_pending:
+            self._eval_pending = False
+            self._preflight_eval(kwargs)
 
-    def _preflight_eval(self, model: nn.Module, kwargs: dict[str, Any]) -> None:
+    def _forward_end(self, training: bool) -> None:
+        if self._run.phases is not None:
+            self._run.phases.forward_end(training)
+
+    def _forward_error(self, error: BaseException | None, training: bool) -> None:
+        """An out-of-memory error in a training forward closes the run now, while the allocator still
+        holds what the step allocated."""
+        if self._run.monitor is not None and training and is_oom(error):
+            self._stop_run(error)
+
+    def _preflight_eval(self, kwargs: dict[str, Any]) -> None:
         from resource_guard.devices import resolve_device
 
-        args = self._args
-        if args is None or not kwargs:
+        args, model = self._args, self._hooks.model
+        if args is None or not kwargs or model is None:
             return
         made = self.plan
         spec = made.device if made is not None else resolve_device(self.device or str(args.device))
         if made is None and self.memory_limit is not None:
             spec = spec.with_memory(parse_memory_limit(self.memory_limit, "ResourceGuardCallback"))
-        loss = self._loss or hf_step.trainer_loss(
+        loss = self._made.loss if self._made is not None else hf_step.trainer_loss(
             model, args, compute_loss_func=self.compute_loss_func, loss_fn=self.loss_fn
-        )
+        )  # fmt: skip
         batch = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
         try:
-            with self._tracing(model):
+            with self._hooks.tracing():
                 check = self._evals.check(
                     model, batch, loss, loop="evaluation", device=spec,
-                    optimizer=self._optimizer if made is not None else None, gradients_kept=False,
-                    precision=hf_step.precision_of(args) or "32-true", headroom=self.headroom,
+                    optimizer=self._made.optimizer if made is not None and self._made is not None else None,
+                    gradients_kept=False, precision=hf_step.precision_of(args) or "32-true",
+                    headroom=self.headroom,
                 )  # fmt: skip
         except DoesNotFitError as error:
             self._stop_run(error)
@@ -603,52 +369,41 @@ class ResourceGuardCallback(TrainerCallback):
             return
         if self.verbose and args.process_index == 0:
             say(f"ResourceGuard: {check.line()}")
-        if self._monitor is not None:
-            self._monitor.note(check.line())
+        self._run.call("note", check.line())
 
-    # -- monitoring ------------------------------------------------------------------------------
+    # -- the run's monitor (frontdoors/run.py) ---------------------------------------------------
     def _start_monitor(self, args: Any, state: Any, loader: Any) -> None:
-        assert self.plan is not None
+        made = self.plan
+        assert made is not None
+        writer = None
         if args.process_index == 0 and "tensorboard" in (args.report_to or []):
-            self._writer = tensorboard_writer(args)
-        if self._writer is not None:
+            writer = tensorboard_writer(args)
+        if writer is not None:
             with contextlib.suppress(Exception):  # a broken writer is the monitor's to report
-                head, _, rest = self._render(args, 0.0, []).partition("\n")
-                self._writer.add_text(_TEXT_TAG, f"{head}\n\n{rest}", state.global_step)
+                text = render_preflight(made, args, self._rows, self._hooks.model, 0.0)
+                head, _, rest = text.partition("\n")
+                writer.add_text(_TEXT_TAG, f"{head}\n\n{rest}", state.global_step)
+        self._writer = writer
         log_dir = self.log_dir or os.path.join(args.output_dir, "resource_guard")
-        self._monitor = build_monitor(
-            args, state, self.plan, log_dir, self.profile, self._writer, self._shapes, self._flops_per_step
-        )
-        self._errors_before = getattr(sys, "last_value", None)
-        self._monitor.start()
-        if self._monitor.phases is not None:  # the Trainer's boundaries (frontdoors/hf/phases.py)
-            self._phases = TrainerPhases(self._monitor.phases)
-            self._phases.install(self._optimizer, loader)
-            for line in self._phases.notes:
-                self._monitor.note(line)
-        atexit.register(self._close_at_exit)
-
-    def _ended_early(self, why: str) -> BaseException:
-        """The error that ended the run: the one Python kept as uncaught since the monitor started (a
-        script's, at exit; a notebook's), else a :class:`RunEndedEarly` saying ``why``."""
-        error = getattr(sys, "last_value", None)
-        if isinstance(error, BaseException) and error is not self._errors_before:
-            return error
-        return RunEndedEarly(f"{why} (no on_train_end: an error the callback did not see)")
-
-    def _close_at_exit(self) -> None:
-        self._stop_run(self._ended_early("the process exited before the Trainer's run ended"))
+        flops = self._made.flops_per_step if self._made is not None else None
+        max_steps = int(getattr(state, "max_steps", 0) or 0)
+        monitor = self._run.start(
+            lambda: build_monitor(args, made, log_dir, self.profile, writer, flops),
+            made, shapes=self._shapes, total_steps=max_steps if max_steps > 0 else None,
+            notes=made.reasons, close_at_exit=True,
+        )  # fmt: skip
+        if monitor is not None and monitor.phases is not None:  # the Trainer's boundaries (hf/phases.py)
+            phases = self._run.phases = TrainerPhases(monitor.phases)
+            phases.install(self._made.optimizer if self._made is not None else None, loader)
+            for line in phases.notes:
+                monitor.note(line)
 
     def _stop_run(self, exc: BaseException | None = None) -> None:
         """Close the monitor (the report is written and printed) and its writer. Safe to call twice."""
-        phases, self._phases = self._phases, None
-        if phases is not None:
-            phases.remove()
-        monitor, self._monitor = self._monitor, None
-        if monitor is not None:
-            atexit.unregister(self._close_at_exit)
-            self.report = monitor.close(exc)
-        writer, self._writer = self._writer, None
+        report = self._run.close(exc)
+        if report is not None:
+            self.report = report
+        writer, self._writer = getattr(self, "_writer", None), None
         if writer is not None:
             with contextlib.suppress(Exception):
                 writer.close()

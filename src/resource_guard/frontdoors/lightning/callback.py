@@ -200,7 +200,7 @@ class ResourceGuard(Callback):
                 )
             self._fixed = dataclasses.replace(self._fixed, accumulation=1, accumulation_source=_MANUAL)
         if self.log_dir is not None and self.monitor and trainer.is_global_zero:
-            from resource_guard.frontdoors.guard.context import check_log_dir
+            from resource_guard.frontdoors.vocabulary import check_log_dir
 
             check_log_dir(self.log_dir, "ResourceGuard")  # now, not after seconds of planning
         if self.device is not None:
