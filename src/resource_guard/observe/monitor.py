@@ -54,6 +54,7 @@ from resource_guard.observe.growth import MemoryWatch, batch_signature, cpu_allo
 from resource_guard.observe.oom import OomEvent, is_oom, memory_history
 from resource_guard.observe.outputs import MonitorOutputs, console_summary
 from resource_guard.observe.phases import PhaseClock
+from resource_guard.observe.picture import PICTURE_DEADLINE_S
 from resource_guard.observe.profiling import ProfileWindow, StepProfiler
 from resource_guard.observe.sampler import Sampler, reset_peak_rss
 from resource_guard.observe.stats import METRIC_KEYS
@@ -214,6 +215,7 @@ class RunMonitor(MonitorOutputs):
         self._notes: list[str] = []
         self._own_s = 0.0  # the monitor's own work inside the loop (log boundaries, memory reads, profiler)
         self._profiler_s = 0.0  # of which the profiler's steps (starting, stopping the window)
+        self._picture_wait_s = 0.0  # of which the wait for the memory picture before the window
         self.close_s: float | None = None  # how long close() took, once closed
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -265,6 +267,10 @@ class RunMonitor(MonitorOutputs):
                 self.profile_window, trace_dir, device_type=self.device.type, trace_name=f"rank{self.rank}"
             )
             self._guard("profiler", self._profiler.start, off="_profiler")
+        profiler = self._profiler
+        if self.rank == 0 and not (profiler is not None and profiler.traces_next_step):
+            # drawn while the first steps train, finished before the profiler's window (see step_end)
+            self._guard("memory picture", self._picture, begin=True)
         self._rss_reset = not self._cuda and reset_peak_rss()
         self._guard("memory growth", self._watch_memory)
         self._guard("thread and compile figures", self._read_settings)
@@ -380,6 +386,12 @@ class RunMonitor(MonitorOutputs):
                 self._guard("profiler", self._profiler.step, off="_profiler")  # type: ignore[union-attr]
                 self._profiler_s += _clock() - begun
                 own_work = True
+                job = self._picture_job
+                if job is not None and not job.done and self._profiling() and self._profiler.traces_next_step:  # type: ignore[union-attr]
+                    # the window traces only the loop: the picture's drawing finishes first
+                    begun = _clock()
+                    job.wait(PICTURE_DEADLINE_S)
+                    self._picture_wait_s += _clock() - begun
             if self._step == 1 or self._step % self.log_every_n_steps == 0:
                 # the interval ends with the step, before the monitor's own work above: that work is
                 # then out of both clocks alike (skipped below), not of the step time alone
@@ -476,6 +488,12 @@ class RunMonitor(MonitorOutputs):
         if self.rank == 0:
             with self._close_part("memory picture"):
                 picture = self._picture()
+            if self._picture_wait_s >= 0.01:
+                self._notes.append(
+                    f"the memory picture, drawn on a thread from the start, held the loop "
+                    f"{self._picture_wait_s * 1e3:.0f} ms before the profiler window (included in the "
+                    "monitoring cost)"
+                )
         stats = self._guard("report", self._run_stats, summary)
         if stats is not None:  # the close's own time so far, shown in the report
             parts = {k: round(v, 3) for k, v in self._close_parts.items() if v >= 0.01}

@@ -374,41 +374,37 @@ def _without_stalls(
         return evs, []
     walls = sorted(b - a for a, b in spans)
     floor_us = STALL_STEP_SHARE * walls[len(walls) // 2]
-    kinds: dict[tuple[str, tuple[tuple[int, ...], ...]], list[float]] = {}
-    for ev in evs:
-        if _may_stall(ev) and ev.duration_us >= floor_us:  # only kinds with a candidate need their calls
-            kinds.setdefault((ev.name, ev.input_shapes), [])
-    if not kinds:
+    # the calls that may be stalls: their kinds' calls are gathered, and only they are looked at again
+    candidates = [i for i, ev in enumerate(evs) if ev.duration_us >= floor_us and _may_stall(ev)]
+    if not candidates:
         return evs, []
+    kinds: dict[tuple[str, tuple[tuple[int, ...], ...]], list[float]] = {
+        (evs[i].name, evs[i].input_shapes): [] for i in candidates
+    }
     for ev in evs:
         times = kinds.get((ev.name, ev.input_shapes))
         if times is not None and _may_stall(ev):
             times.append(ev.duration_us)
     usual = {k: statistics.median(v) for k, v in kinds.items() if len(v) >= 3}
-
-    def outlier(ev: EventRecord) -> float | None:
+    outliers: list[tuple[int, float]] = []  # (index, the kind's usual time)
+    for i in candidates:
+        ev = evs[i]
         typical = usual.get((ev.name, ev.input_shapes))
-        if typical is None or not _may_stall(ev) or ev.duration_us < floor_us:
-            return None
-        return typical if ev.duration_us >= STALL_FACTOR * max(typical, 1.0) else None
-
+        if typical is not None and ev.duration_us >= STALL_FACTOR * max(typical, 1.0):
+            outliers.append((i, typical))
     # a slow call that recurs in most steps is the op's own time (the step does it), not a stall
     starts = [a for a, _ in spans]
     steps_hit: dict[tuple[str, tuple[tuple[int, ...], ...]], set[int]] = {}
-    for ev in evs:
-        if outlier(ev) is not None:
-            steps_hit.setdefault((ev.name, ev.input_shapes), set()).add(
-                _step_index(starts, spans, ev.start_us)
-            )
+    for i, _ in outliers:
+        ev = evs[i]
+        steps_hit.setdefault((ev.name, ev.input_shapes), set()).add(_step_index(starts, spans, ev.start_us))
     recurring = {k for k, hit in steps_hit.items() if len(hit) * 2 > len(spans)}
-    out, stalls = [], []
-    for ev in evs:
-        typical = outlier(ev)
-        if typical is not None and (ev.name, ev.input_shapes) not in recurring:
+    out, stalls = list(evs), []
+    for i, typical in outliers:
+        ev = evs[i]
+        if (ev.name, ev.input_shapes) not in recurring:
             stalls.append((ev, ev.duration_us))
-            out.append(dataclasses.replace(ev, duration_us=typical))
-        else:
-            out.append(ev)
+            out[i] = dataclasses.replace(ev, duration_us=typical)
     return out, stalls
 
 
@@ -501,35 +497,36 @@ def _enclosures(events: list[EventRecord]) -> tuple[set[int], set[int], dict[int
             by_thread.setdefault(ev.thread, []).append(ev)
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e.start_us, -(e.end_us or 0.0)))
-        # (end, frame, kind): kind "opt" (an optimizer span), "closure" (the closure an optimizer's
-        # step calls: Lightning runs forward and backward there; they are not the optimizer's ops),
-        # "cast" (a copy op), or None (a Python frame)
-        open_spans: list[tuple[float, str | None, str | None]] = []
+        # the open spans, innermost last, each (end, site, kind, cast): the innermost user frame's or
+        # op's site among it and the spans around it; the innermost kind other than "cast" among them,
+        # "opt" (an optimizer span) or "closure" (the closure an optimizer's step calls: Lightning runs
+        # forward and backward there; they are not the optimizer's ops); whether a copy op is among
+        # them. Each span carries what it inherits, so an op reads the innermost one alone
+        open_spans: list[tuple[float, str | None, str | None, bool]] = []
         for ev in evs:
             start = ev.start_us or 0.0
             while open_spans and open_spans[-1][0] <= start:
                 open_spans.pop()
+            _, site, kind, cast = open_spans[-1] if open_spans else (0.0, None, None, False)
             if ev.python:
                 frame = None if is_library_file(ev.name) else user_frame((ev.name,))
-                kind = "closure" if _CLOSURE_FRAME.search(ev.name) else None
-                open_spans.append((ev.end_us or start, frame, kind))
+                closure = _CLOSURE_FRAME.search(ev.name) is not None
+                open_spans.append((ev.end_us or start, frame or site, "closure" if closure else kind, cast))
                 continue
-            kinds = [k for _, _, k in open_spans if k is not None]
-            if next((k for k in reversed(kinds) if k != "cast"), None) == "opt":
+            if kind == "opt":
                 optimizer.add(id(ev))
-            if "cast" in kinds:
+            if cast:
                 in_cast.add(id(ev))
-            site = next((f for _, f, _ in reversed(open_spans) if f is not None), None)
             if site is not None:
                 sites[id(ev)] = site
             if _OPTIMIZER_SPAN.match(ev.name):
-                open_spans.append((ev.end_us or start, None, "opt"))
+                open_spans.append((ev.end_us or start, site, "opt", cast))
             elif ev.end_us is not None and ev.end_us > start and _is_cast(ev):
-                open_spans.append((ev.end_us, ev.site, "cast"))
+                open_spans.append((ev.end_us, ev.site or site, kind, True))
             elif ev.site is not None and ev.end_us is not None and ev.end_us > start:
                 # an op whose site the reader knew (the line of the call): what runs inside it, such as
                 # the blocking CUDA runtime call inside aten::item, was made by that line too
-                open_spans.append((ev.end_us, ev.site, None))
+                open_spans.append((ev.end_us, ev.site, kind, cast))
     return optimizer, in_cast, sites
 
 

@@ -25,6 +25,7 @@ import torch
 from resource_guard.observe.oom import SNAPSHOT_FILE, OomEvent, memory_history, write_oom
 from resource_guard.observe.optimizer_facts import describe_optimizer, foreach_probe
 from resource_guard.observe.phases import PhaseClock, phase_means
+from resource_guard.observe.picture import PICTURE_DEADLINE_S, PictureJob
 from resource_guard.observe.sampler import peak_rss_bytes, reset_peak_rss
 from resource_guard.observe.stats import (
     METRIC_KEYS,
@@ -106,6 +107,7 @@ class MonitorOutputs:
     _compile_start: Any = None  # dynamo's counters at start
     _close_parts: dict[str, float]  # seconds by part of close() (the report shows the slower ones)
     _probed: bool = False  # an end-of-run probe ran: at most one per run
+    _picture_job: PictureJob | None = None  # the memory picture, drawn on a thread from start
     # this rank's own (steps, wall s, data wait s): the start-up interval, and the intervals after it
     _own_first: tuple[int, float, float] | None = None
     _own_body: tuple[int, float, float] = (0, 0.0, 0.0)
@@ -497,14 +499,39 @@ class MonitorOutputs:
                 off="_tb",
             )  # flushed with the interval's scalars, which follow
 
-    def _picture(self) -> Any:
-        """The memory picture of the pre-flight estimate (``None`` without one)."""
-        if self.estimate is None or not self.estimate.timeline:
+    def _picture(self, *, begin: bool = False) -> Any:
+        """The memory picture of the pre-flight estimate (``None`` without one, or with nothing to write
+        it to). ``begin=True`` (at start) starts drawing it on a background thread
+        (:class:`~resource_guard.observe.picture.PictureJob`) and returns ``None``; the call at close
+        then takes that drawing, waiting for it up to ``PICTURE_DEADLINE_S`` (past it the drawing writes
+        ``memory.png`` itself when done, and the report's notes say so), or draws it now if nothing was
+        started or the estimate changed since."""
+        estimate = self.estimate
+        if estimate is None or not estimate.timeline:
             return None
-        title = f"pre-flight memory of one step ({self.estimate.precision}) vs {self.device}"
+        if self._tb is None and self._files_dir is None:  # nowhere to put it: not drawn
+            return None
+        title = f"pre-flight memory of one step ({estimate.precision}) vs {self.device}"
         # the line is the capacity the plan fitted the step into (a memory_limit), not the host's RAM
         capacity = self._planned_capacity()
-        return self._guard("memory picture", memory_picture, self.estimate.timeline, capacity, title=title)
+        key = (id(estimate), capacity, title)
+        if begin:
+            timeline = estimate.timeline
+            self._picture_job = PictureJob(lambda: memory_picture(timeline, capacity, title=title), key)
+            return None
+        job, self._picture_job = self._picture_job, None
+        if job is None or job.key != key:
+            return self._guard("memory picture", memory_picture, estimate.timeline, capacity, title=title)
+        if not job.wait(PICTURE_DEADLINE_S):
+            directory = self._files_dir
+            late = directory is not None and job.write_when_done(directory / "memory.png")
+            self._notes.append(
+                f"the memory picture was still drawing {PICTURE_DEADLINE_S:.0f} s into the close: "
+                + ("memory.png is written when it is done; " if late else "")
+                + "not in TensorBoard"
+            )
+            return None
+        return self._guard("memory picture", job.result)  # its error, if any: one warning
 
     def _write_outputs(self, report: Report, picture: Any = None) -> None:
         """Rank zero, at close: the report and the memory picture to TensorBoard and to ``report.md``,
