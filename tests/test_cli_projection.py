@@ -75,7 +75,7 @@ def test_json_rows_carry_the_fields_of_the_issue(target, capsys):
 def test_text_table_marks_the_recommendation_and_limits_can_exclude_everything(target, capsys):
     assert main(["preflight", target, "--train-samples", "8000", "--devices", "t4", "--gpus", "1"]) == 0
     text = capsys.readouterr().out
-    assert "t4" in text and "cheapest" in text and "fastest" in text and "efficiency 40%" in text
+    assert "t4" in text and "cheapest" in text and "fastest" in text and "per-operator model" in text
     assert (
         main(["preflight", target, "--train-samples", "8000", "--devices", "t4", "--max-cost", "1e-9"]) == 1
     )

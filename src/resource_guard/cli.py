@@ -139,7 +139,12 @@ def _add_projection_args(pre: argparse.ArgumentParser) -> None:
     group.add_argument("--target-batch-size", type=int, default=None, help="samples per optimizer step")
     group.add_argument("--max-hours", type=float, default=None, help="limit on the training's hours")
     group.add_argument("--max-cost", type=float, default=None, help="limit on the training's cost, USD")
-    group.add_argument("--efficiency", type=float, default=None, help="share of peak FLOP/s (default 0.40)")
+    group.add_argument(
+        "--efficiency",
+        type=float,
+        default=None,
+        help="share of peak FLOP/s of the whole step (default: the per-operator model on GPUs)",
+    )
     group.add_argument("--calibrate", default=None, help="a monitored run's log dir or report.json")
     group.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     group.add_argument("--inter-node-gbps", type=float, default=None, help="GB/s per GPU between nodes")
@@ -225,7 +230,13 @@ def _print_projection(target: str, proj: Any) -> None:
         f"  {proj.train_samples:,} samples{tokens}; {proj.optimizer_steps:,} optimizer steps of "
         f"{proj.target_batch_size}; {flops / 1e9:,.3g} GFLOP per sample (forward + backward)"
     )
-    print(f"  efficiency {proj.efficiency:.0%} of peak: {eff}")
+    if proj.step_model == "per-operator" and cal is None:
+        print(
+            "  step time: per-operator model of the traced step on each GPU (catalog peak and bandwidth, "
+            "efficiency by operator class and size); --calibrate LOGDIR to measure it"
+        )
+    else:
+        print(f"  efficiency {proj.efficiency:.0%} of peak: {eff}")
     link = proj.interconnect
     print(
         f"  interconnect: {link.gpus_per_node} GPUs/node, NVLink where the part has it else PCIe 4.0; "

@@ -247,3 +247,47 @@ def test_calibration_from_a_report_dict_and_a_report_without_flops():
     assert (cal.device, cal.achieved_flops_per_s, cal.efficiency(cat)) == ("cpu", 2e12, None)
     with pytest.raises(ConfigurationError, match="no step time and FLOPs"):
         Calibration.from_report({"summary": {**summary, "flops_per_step": None}}, cat)
+
+
+def test_gpu_rows_use_the_per_operator_model_and_an_explicit_efficiency_the_whole_step():
+    from resource_guard.planning.gpu_time import GpuOpModel
+
+    cat = load_catalog()
+    proj = project_training(
+        TokenModel(),
+        torch.optim.AdamW,
+        _tokens(),
+        train_samples=800,
+        devices=["a100-40gb"],
+        gpus=[1],
+        catalog=cat,
+    )
+    (row,) = proj.rows
+    assert proj.step_model == "per-operator" and proj.to_dict()["step_model"] == "per-operator"
+    assert row.plan["accumulation_steps"] == 1
+    gpu = GpuOpModel(cat.get("a100-40gb"))
+    p = gpu.predict(TokenModel(), torch.optim.AdamW, _tokens(), precision=row.plan["precision"])
+    assert row.step_s == pytest.approx(p.step_s(1))
+    # this tiny model's GPU step waits on the host's launches, not on its FLOPs
+    assert row.bound == "launch"
+    whole = project_training(
+        TokenModel(),
+        torch.optim.AdamW,
+        _tokens(),
+        train_samples=800,
+        devices=["a100-40gb"],
+        gpus=[1],
+        catalog=cat,
+        efficiency=0.4,
+    )
+    assert whole.step_model == "whole-step" and whole.rows[0].step_s != pytest.approx(row.step_s)
+
+
+def test_per_operator_rows_grow_with_the_batch_and_shrink_with_a_faster_gpu():
+    cat = Catalog([_gpu("slow", tflops=0.004), _gpu("fast", tflops=0.016)])
+    small = {r.device: r for r in _project(cat, target_batch_size=8).rows}
+    large = {r.device: r for r in _project(cat, target_batch_size=32).rows}
+    assert small["fast"].step_s < small["slow"].step_s
+    for name in ("slow", "fast"):
+        assert large[name].step_s > 2 * small[name].step_s  # compute-bound: four times the FLOPs
+        assert large[name].hours < small[name].hours  # a quarter of the steps

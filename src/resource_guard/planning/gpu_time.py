@@ -299,6 +299,7 @@ def gpu_step_time(
     comm_bytes: float = 0.0,
     comm_overlap: str = "none",
     units: int = 1,
+    flops: float | None = None,
 ) -> StepTime:
     """One optimizer step on one rank from a GPU micro-step prediction, in the parts of ``StepTime``.
 
@@ -311,19 +312,22 @@ def gpu_step_time(
         comm_overlap: ``"none"``; ``"fsdp"`` (beside every micro-step's compute); ``"ddp"`` (beside
             the last micro-step's backward, 2/3 of its compute).
         units: the parts communication is cut into (FSDP units, DDP buckets).
+        flops: the step's FLOPs as reported (default: the traced matmuls', attention's and
+            convolutions' of ``accumulation_steps`` micro-steps); ``efficiency`` is their share of the peak.
     """
     k = accumulation_steps
     by_class = prediction.micro_step_by_class_s
     compute = k * sum(by_class.get(c, 0.0) for c in _MATMUL_LIKE)
-    launch = k * by_class.get("framework", 0.0)
+    waits = k * by_class.get("framework", 0.0)  # the GPU idle while the host launches
     optimizer = prediction.optimizer_s * optimizer_share
-    memory = k * prediction.micro_step_s - compute - launch + (k - 1) * prediction.accumulate_s + optimizer
+    memory = k * prediction.micro_step_s - compute - waits + (k - 1) * prediction.accumulate_s + optimizer
+    launch = k * prediction.micro_step_s if waits > 0 else 0.0  # host-bound: the launches are the step
     overlap = {"fsdp": k * prediction.micro_step_s, "ddp": prediction.micro_step_s * 2 / 3}.get(
         comm_overlap, 0.0
     )
     comm = exposed_comm_s(comm_s, overlap, units if comm_overlap in ("fsdp", "ddp") else 1)
     step = prediction.step_s(k) - prediction.optimizer_s + optimizer + comm
-    flops = k * prediction.flops_per_micro_step
+    flops = k * prediction.flops_per_micro_step if flops is None else flops
     return StepTime(
         step_s=step,
         compute_s=compute,

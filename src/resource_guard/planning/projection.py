@@ -35,6 +35,9 @@ from torch import nn
 
 from resource_guard.devices import Catalog, DeviceSpec, format_bytes, load_catalog, resolve_device
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
+from resource_guard.planning.checkpointing import find_checkpoint_blocks
+from resource_guard.planning.gpu_time import GpuOpModel, gpu_step_time
+from resource_guard.planning.op_time import StepOps
 from resource_guard.planning.planner import Plan, choose_precision, plan
 from resource_guard.planning.projection_result import (
     Projection,
@@ -48,10 +51,13 @@ from resource_guard.planning.steptime import (
     Calibration,
     Interconnect,
     StepFlops,
+    StepTime,
     count_step_flops,
+    peak_flops,
     step_time,
     tokens_per_sample,
 )
+from resource_guard.step.batching import resize_batch
 from resource_guard.step.precision import parse_precision
 from resource_guard.step.training import LossFn, OptimizerArg, batch_size_of
 
@@ -101,8 +107,10 @@ def project_training(
         gpus: GPU counts; above ``interconnect.gpus_per_node`` a count must fill whole nodes.
         max_hours / max_cost: limits for the recommendation (USD for the whole training).
         precision, checkpointing, headroom: passed to ``plan``.
-        efficiency: share of the peak FLOP/s reached (default :data:`DEFAULT_EFFICIENCY`).
-        calibration: a monitored run's throughput; replaces ``efficiency`` (rows say ``calibrated``).
+        efficiency: share of the peak FLOP/s the whole step reaches; given, it replaces the per-operator
+            model on every row (default: the per-operator model on GPUs, :data:`DEFAULT_EFFICIENCY` on
+            the devices it cannot model).
+        calibration: a monitored run's throughput; replaces the models (rows say ``calibrated``).
         interconnect: the links data parallelism uses (default :class:`Interconnect`).
         catalog: the device catalog or a catalog file merged over the bundled one.
 
@@ -157,10 +165,15 @@ def project_training(
         headroom=headroom,
         catalog=cat,
     )
+    ops = (
+        None
+        if efficiency is not None or calibrated_eff is not None
+        else _OpTimes(model, optimizer, batch, loss_fn)
+    )
     rows: list[ProjectionRow] = []
     for spec in sorted(specs, key=lambda s: s.memory_bytes):
         for n in counts:
-            rows.append(_row(spec, n, planner, flops, steps, eff, calibration, calibrated_eff, link))
+            rows.append(_row(spec, n, planner, flops, steps, eff, calibration, calibrated_eff, link, ops))
     rows = _recommend(rows, max_hours, max_cost)
     return Projection(
         rows=tuple(sorted(rows, key=_sort_key)),
@@ -174,6 +187,7 @@ def project_training(
         interconnect=link,
         plan_calls=planner.calls,
         seconds=time.perf_counter() - started,
+        step_model="per-operator" if ops is not None and ops.used else "whole-step",
     )
 
 
@@ -261,6 +275,7 @@ def _row(
     calibration: Calibration | None,
     calibrated_eff: float | None,
     link: Interconnect,
+    ops: _OpTimes | None = None,
 ) -> ProjectionRow:
     nodes = math.ceil(gpus / link.gpus_per_node)
     base: dict[str, Any] = {
@@ -288,7 +303,8 @@ def _row(
     if _sharded(strategy):  # each rank updates its 1/N of the parameters
         step_flops -= flops.optimizer_per_step * (1 - 1 / p.world_size)
     try:
-        t = step_time(
+        t = None if achieved is not None or ops is None else ops.step(spec, p, flops, link, step_flops)
+        t = t or step_time(
             spec,
             p.precision,
             flops=step_flops,
@@ -318,6 +334,56 @@ def _row(
         reason="" if nodes == 1 else link.describe(spec),
         **base,
     )
+
+
+class _OpTimes:
+    """The per-operator model's step on a GPU for a plan; one trace per micro-batch, precision,
+    checkpointing and GPU generation (the plans of a projection share few of them)."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn | None) -> None:
+        self.model, self.optimizer, self.batch, self.loss_fn = model, optimizer, batch, loss_fn
+        self.units = max(len(find_checkpoint_blocks(model)), 1)
+        self.used = False
+        self._traces: dict[tuple[Any, ...], StepOps] = {}
+
+    def step(
+        self, spec: DeviceSpec, p: Plan, flops: StepFlops, link: Interconnect, step_flops: float
+    ) -> StepTime | None:
+        """The step on ``spec`` (``None``: not a GPU the model covers, e.g. no bandwidth in the catalog);
+        ``step_flops``: the step's model FLOPs on one rank, as the whole-step model counts them."""
+        if spec.kind not in _GPU_KINDS:
+            return None
+        try:
+            gpu = GpuOpModel(spec)
+        except ConfigurationError:
+            return None
+        every = int(getattr(p, "checkpoint_every", 0) or 0)
+        key = (spec.kind, spec.compute_capability, p.precision, p.micro_batch_size, every)
+        if key not in self._traces:
+            sample = resize_batch(self.batch, p.micro_batch_size)
+            self._traces[key] = gpu.trace(
+                self.model, self.optimizer, sample, self.loss_fn, p.precision, every
+            )
+        prediction = gpu.predict_ops(self._traces[key])
+        strategy = str(p.strategy).lower()
+        payload, factor = _communication(p, flops, strategy)
+        sharded = _sharded(strategy)
+        buckets = math.ceil(flops.trainable_parameters * 4 / _DDP_BUCKET_BYTES)
+        self.used = True
+        return gpu_step_time(
+            prediction,
+            peak_flops=peak_flops(spec, p.precision) or gpu.peak(parse_precision(p.precision).compute_dtype),
+            accumulation_steps=p.accumulation_steps,
+            optimizer_share=1 / p.world_size if sharded else 1.0,
+            comm_s=link.collective_s(spec, p.world_size, payload, factor),
+            comm_bytes=payload,
+            comm_overlap="fsdp" if sharded else "ddp",
+            units=self.units if sharded else max(buckets, 1),
+            flops=step_flops,
+        )
+
+
+_DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 
 
 def _refuse(spec: DeviceSpec, gpus: int, target: int, link: Interconnect) -> str:

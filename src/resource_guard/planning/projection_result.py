@@ -72,7 +72,11 @@ class ProjectionRow:
 
 @dataclass(frozen=True)
 class Projection:
-    """The rows, sorted by cost (fitting rows with a price first, then by hours; non-fitting last)."""
+    """The rows, sorted by cost (fitting rows with a price first, then by hours; non-fitting last).
+
+    ``step_model``: ``"per-operator"`` where GPU rows were timed by the per-operator model
+    (:mod:`resource_guard.planning.gpu_time`), else ``"whole-step"`` (``efficiency`` of the peak).
+    """
 
     rows: tuple[ProjectionRow, ...]
     train_samples: int
@@ -85,6 +89,7 @@ class Projection:
     interconnect: Interconnect
     plan_calls: int
     seconds: float
+    step_model: str = "whole-step"
 
     def recommended(self, label: str) -> ProjectionRow | None:
         """The row marked ``label`` (``"cheapest"`` or ``"fastest"``), or None."""
@@ -98,6 +103,7 @@ class Projection:
             "tokens_per_sample": self.tokens_per_sample,
             "flops_per_sample": self.flops.forward_per_sample + self.flops.backward_per_sample,
             "efficiency": self.efficiency,
+            "step_model": self.step_model,
             "calibration": None if self.calibration is None else vars(self.calibration),
             "interconnect": vars(self.interconnect),
             "plan_calls": self.plan_calls,
