@@ -223,6 +223,24 @@ class Run:
         self.phases: Any = None  # the door's phase hooks (``remove()``), switching the monitor's clock
         self._notes: list[str] = []  # lines for the report, kept until the monitor starts
         self._errors_before: Any = None  # sys.last_value when the monitor started: an older error
+        self.closing: list[Callable[[], Any]] = []  # closed after the monitor (a writer the door made)
+
+    def preflight(
+        self,
+        preflight: Callable[[], Sequence[int]],
+        width: int,
+        collective: Collective | None = None,
+        *,
+        key: Callable[[Sequence[int]], Any] = tuple,
+    ) -> Agreed:
+        """This rank's ``preflight()`` (its row of ``width`` integers), then the agreement every rank
+        reaches also after its own pre-flight failed (:func:`agree`): the door raises ``error`` or
+        applies ``row``."""
+        try:
+            row, error = list(preflight()), None
+        except Exception as failure:  # every rank must reach the agreement, also after an error
+            row, error = [0] * width, failure
+        return agree(row, error, collective, key=key)
 
     @property
     def clock(self) -> Any:
@@ -280,6 +298,11 @@ class Run:
             warn_at_user(f"{self.door}: monitoring stopped: {error!r}")
             self.monitor = None
 
+    def phase(self, event: str, *args: Any) -> None:
+        """The door's phase hooks told of ``event`` (``phases.<event>(*args)``), when they run."""
+        if self.phases is not None:
+            getattr(self.phases, event)(*args)
+
     def note(self, line: str) -> None:
         """A line for the report: now, or when the monitor starts."""
         if self.monitor is None:
@@ -314,4 +337,10 @@ class Run:
                 self.report = monitor.close(exc)
             except Exception as error:
                 warn_at_user(f"{self.door}: monitor close failed: {error!r}")
+        closing, self.closing = self.closing, []
+        for close in closing:
+            try:
+                close()
+            except Exception as error:
+                warn_at_user(f"{self.door}: closing {close!r} failed: {error!r}")
         return self.report

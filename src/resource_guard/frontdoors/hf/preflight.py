@@ -31,7 +31,17 @@ from resource_guard.frontdoors.hf.runtime import (
 if TYPE_CHECKING:
     from resource_guard.planning.planner import Plan
 
-__all__ = ["Preflight", "check_against", "confirm_line", "preflight_step", "render_preflight"]
+__all__ = [
+    "Preflight",
+    "attach_kwargs",
+    "check_against",
+    "check_settings",
+    "confirm_line",
+    "preflight_eval_batch",
+    "preflight_line",
+    "preflight_step",
+    "render_preflight",
+]
 
 _CALL = "ResourceGuardCallback"
 
@@ -49,6 +59,61 @@ class Preflight:
     shapes: Any = None
     keys: dict[str, tuple[torch.Size, torch.dtype]] = dataclasses.field(default_factory=dict)
     flops_per_step: float | None = None
+
+
+def check_settings(
+    *,
+    device: Any,
+    headroom: Any,
+    max_seq_len: Any,
+    check_shapes: Any,
+    check_eval: Any,
+    verbose: Any,
+    loss_fn: Any,
+    compute_loss_func: Any,
+    **shared: Any,
+) -> str | None:
+    """The callback's arguments checked, each refused with ``ConfigurationError`` quoting the call; the
+    precision it keeps (``shared``: the settings every door shares, frontdoors/vocabulary.py)."""
+    from resource_guard.frontdoors.hf.plan import EXPRESSIBLE
+    from resource_guard.frontdoors.shape_guard import check_worst_case_args
+    from resource_guard.frontdoors.vocabulary import check_shared, refused
+
+    precision = check_shared(_CALL, max_seq_len=max_seq_len, precisions=EXPRESSIBLE, **shared)
+    if device is not None and not (isinstance(device, str) and device.strip()):
+        raise refused(_CALL, "device", device, "a device name ('cpu', 'cuda:0', 'a100-40gb', ...) or None")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
+        raise refused(_CALL, "headroom", headroom, "in [0, 0.9)")
+    check_worst_case_args(_CALL, max_seq_len, check_shapes)
+    for name, value in (("check_eval", check_eval), ("verbose", verbose)):
+        if not isinstance(value, bool):
+            raise refused(_CALL, name, value, "True or False")
+    for name, fn in (("loss_fn", loss_fn), ("compute_loss_func", compute_loss_func)):
+        if fn is not None and not callable(fn):
+            raise refused(_CALL, name, fn, "a callable or None")
+    return precision
+
+
+def attach_kwargs(trainer: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The constructor's ``kwargs`` for a callback added to a built ``trainer``, with what its step runs:
+    its ``compute_loss_func``, and its own ``compute_loss`` when a subclass overrides it (a ``loss_fn``
+    or ``compute_loss_func`` in ``kwargs`` wins)."""
+    from transformers import Trainer
+
+    if not isinstance(trainer, Trainer):
+        raise ConfigurationError(
+            f"`{_CALL}.attach(trainer=...)` must be a transformers Trainer, got {type(trainer).__name__}."
+        )
+    kwargs = dict(kwargs)
+    if kwargs.get("compute_loss_func") is None:
+        kwargs["compute_loss_func"] = getattr(trainer, "compute_loss_func", None)
+    if kwargs.get("loss_fn") is None and type(trainer).compute_loss is not Trainer.compute_loss:
+
+        def loss_fn(model: nn.Module, batch: Any) -> Any:  # the subclass's own loss
+            return trainer.compute_loss(model, dict(batch))
+
+        kwargs["loss_fn"] = loss_fn
+    return kwargs
 
 
 def check_against(cb: Any, args: Any) -> None:
@@ -198,6 +263,18 @@ def _count_flops(
         return count_flops(model, batch, model_flops_loss)
 
 
+def preflight_line(
+    made: Plan, args: Any, rows: int, model: nn.Module | None, seconds: float, shapes_on: bool
+) -> str:
+    """What the callback prints of its pre-flight: arguments ``plan_training_args`` made were printed
+    with their plan, so one line confirms it; else the pre-flight in full."""
+    from resource_guard.frontdoors.hf.plan import planned_by
+
+    if planned_by(args) is not None:
+        return confirm_line(made, args, seconds, shapes_on)
+    return render_preflight(made, args, rows, model, seconds)
+
+
 def confirm_line(made: Plan, args: Any, seconds: float, shapes_on: bool) -> str:
     """One line: the Trainer's step is the one ``plan_training_args`` planned (and printed), and fits."""
     guard = "; each batch checked before it runs" if shapes_on else ""
@@ -230,3 +307,29 @@ def render_preflight(made: Plan, args: Any, rows: int, model: nn.Module | None, 
         f"{mib(made.fit.device_total_bytes)} of {mib(made.fit.usable_bytes)} usable, fits"
     )
     return render(made, settings, seconds, head)
+
+
+def preflight_eval_batch(cb: Any, watch: Any, made: Preflight | None, kwargs: dict[str, Any]) -> Any:
+    """The first batch of an evaluation (the model's keyword arguments), pre-flighted beside what the
+    run holds (the plan's optimizer once planned) with the callback ``cb``'s settings: its
+    :class:`~resource_guard.frontdoors.eval_preflight.EvalCheck` (``None`` when already checked or
+    nothing to check); ``DoesNotFitError`` when it does not fit."""
+    from resource_guard.devices import parse_memory_limit, resolve_device
+
+    args, model = cb._args, watch.model
+    if args is None or not kwargs or model is None:
+        return None
+    planned = cb.plan
+    spec = planned.device if planned is not None else resolve_device(cb.device or str(args.device))
+    if planned is None and cb.memory_limit is not None:
+        spec = spec.with_memory(parse_memory_limit(cb.memory_limit, _CALL))
+    loss = made.loss if made is not None else hf_step.trainer_loss(
+        model, args, compute_loss_func=cb.compute_loss_func, loss_fn=cb.loss_fn
+    )  # fmt: skip
+    batch = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+    with watch.tracing():
+        return cb._evals.check(
+            model, batch, loss, loop="evaluation", device=spec,
+            optimizer=made.optimizer if planned is not None and made is not None else None,
+            gradients_kept=False, precision=hf_step.precision_of(args) or "32-true", headroom=cb.headroom,
+        )  # fmt: skip

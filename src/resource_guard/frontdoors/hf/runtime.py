@@ -33,6 +33,7 @@ __all__ = [
     "default_collator",
     "kept_message",
     "mib",
+    "plan_writer",
     "tensorboard_run_dir",
     "tensorboard_writer",
     "too_big_message",
@@ -169,6 +170,19 @@ def tensorboard_writer(args: Any) -> Any:
     except Exception as error:  # no tensorboard: the monitor writes its own files
         warn_at_user(f"ResourceGuardCallback: no TensorBoard writer ({error!r})")
         return None
+
+
+def plan_writer(args: Any, text: str, state: Any) -> Any:
+    """On process zero of a run reporting to TensorBoard: a writer into the Trainer's TensorBoard run
+    (``None`` without one), the pre-flight ``text`` written to it under ``resource_guard/plan``."""
+    if args.process_index != 0 or "tensorboard" not in (args.report_to or []):
+        return None
+    writer = tensorboard_writer(args)
+    if writer is not None:
+        with contextlib.suppress(Exception):  # a broken writer is the monitor's to report
+            head, _, rest = text.partition("\n")
+            writer.add_text("resource_guard/plan", f"{head}\n\n{rest}", state.global_step)
+    return writer
 
 
 def build_monitor(

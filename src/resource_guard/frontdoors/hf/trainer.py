@@ -39,7 +39,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -48,21 +47,23 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from transformers import TrainerCallback
 
-from resource_guard.devices import parse_memory_limit
-from resource_guard.errors import ConfigurationError, DoesNotFitError
+from resource_guard.errors import DoesNotFitError
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.frontdoors.hf import step as hf_step
 from resource_guard.frontdoors.hf.phases import TrainerPhases
-from resource_guard.frontdoors.hf.plan import planned_by, say
+from resource_guard.frontdoors.hf.plan import say
 from resource_guard.frontdoors.hf.preflight import (
+    attach_kwargs,
     check_against,
-    confirm_line,
+    check_settings,
+    preflight_eval_batch,
+    preflight_line,
     preflight_step,
     render_preflight,
 )
-from resource_guard.frontdoors.hf.runtime import build_monitor, per_device_rows, tensorboard_writer
+from resource_guard.frontdoors.hf.runtime import build_monitor, per_device_rows, plan_writer
 from resource_guard.frontdoors.hf.watch import ModelWatch, as_planned
-from resource_guard.frontdoors.run import Run, RunEndedEarly, agree
+from resource_guard.frontdoors.run import Run, RunEndedEarly
 from resource_guard.observe.oom import is_oom
 from resource_guard.observe.profiling import ProfileWindow
 
@@ -70,8 +71,6 @@ if TYPE_CHECKING:
     from resource_guard.planning.planner import Plan
 
 __all__ = ["ResourceGuardCallback", "RunEndedEarly"]
-
-_TEXT_TAG = "resource_guard/plan"
 
 
 class ResourceGuardCallback(TrainerCallback):
@@ -131,31 +130,13 @@ class ResourceGuardCallback(TrainerCallback):
         precision: str | None = None,
         target_batch_size: int | None = None,
     ) -> None:
-        from resource_guard.frontdoors.hf.plan import EXPRESSIBLE
-        from resource_guard.frontdoors.shape_guard import check_worst_case_args
-        from resource_guard.frontdoors.vocabulary import check_shared, refused
-
-        def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
-            return refused("ResourceGuardCallback", name, value, allowed)
-
-        # the settings every door shares, in the same words (frontdoors/vocabulary.py)
-        self.precision = check_shared(
-            "ResourceGuardCallback", memory_limit=memory_limit, precision=precision,
-            target_batch_size=target_batch_size, max_seq_len=max_seq_len, log_dir=log_dir,
-            profile=profile, monitor=monitor, precisions=EXPRESSIBLE,
+        self.precision = check_settings(
+            device=device, memory_limit=memory_limit, headroom=headroom, max_seq_len=max_seq_len,
+            check_shapes=check_shapes, check_eval=check_eval, monitor=monitor, profile=profile,
+            log_dir=log_dir, loss_fn=loss_fn, compute_loss_func=compute_loss_func, verbose=verbose,
+            precision=precision, target_batch_size=target_batch_size,
         )  # fmt: skip
         self.target_batch_size = target_batch_size
-        if device is not None and not (isinstance(device, str) and device.strip()):
-            raise bad("device", device, "a device name ('cpu', 'cuda:0', 'a100-40gb', ...) or None")
-        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 0.9:
-            raise bad("headroom", headroom, "in [0, 0.9)")
-        check_worst_case_args("ResourceGuardCallback", max_seq_len, check_shapes)
-        for name, value in (("check_eval", check_eval), ("verbose", verbose)):
-            if not isinstance(value, bool):
-                raise bad(name, value, "True or False")
-        for name, fn in (("loss_fn", loss_fn), ("compute_loss_func", compute_loss_func)):
-            if fn is not None and not callable(fn):
-                raise bad(name, fn, "a callable or None")
         self.device, self.memory_limit, self.headroom = device, memory_limit, float(headroom)
         self.max_seq_len, self.worst_case_batch = max_seq_len, worst_case_batch
         self.check_shapes, self.check_eval, self.monitor = check_shapes, check_eval, monitor
@@ -170,7 +151,6 @@ class ResourceGuardCallback(TrainerCallback):
         self._made: Any = None  # the pre-flight's Preflight: optimizer, loss, shape guard, planned tensors
         self._shapes: Any = None
         self._run = Run("ResourceGuardCallback")
-        self._writer: Any = None  # the Trainer's TensorBoard run, written by the monitor
         self._hooks = ModelWatch(
             self._train_forward, self._eval_forward, self._forward_end, self._forward_error
         )
@@ -188,22 +168,7 @@ class ResourceGuardCallback(TrainerCallback):
             >>> from transformers import Trainer  # doctest: +SKIP
             >>> guard = ResourceGuardCallback.attach(trainer, memory_limit="8GiB")  # doctest: +SKIP
         """
-        from transformers import Trainer
-
-        if not isinstance(trainer, Trainer):
-            raise ConfigurationError(
-                f"`ResourceGuardCallback.attach(trainer=...)` must be a transformers Trainer, got "
-                f"{type(trainer).__name__}."
-            )
-        if kwargs.get("compute_loss_func") is None:
-            kwargs["compute_loss_func"] = getattr(trainer, "compute_loss_func", None)
-        if kwargs.get("loss_fn") is None and type(trainer).compute_loss is not Trainer.compute_loss:
-
-            def loss_fn(model: nn.Module, batch: Any) -> Any:  # the subclass's own loss
-                return trainer.compute_loss(model, dict(batch))
-
-            kwargs["loss_fn"] = loss_fn
-        callback = cls(**kwargs)
+        callback = cls(**attach_kwargs(trainer, kwargs))
         callback._args = trainer.args
         check_against(callback, trainer.args)
         trainer.add_callback(callback)
@@ -244,62 +209,47 @@ class ResourceGuardCallback(TrainerCallback):
         if not isinstance(model, nn.Module) or optimizer is None or train_dataloader is None:
             return
         self._hooks.watch(model)
-        started = time.perf_counter()
-        error: BaseException | None = None
-        self._rows = per_device_rows(args, state)
-        try:
-            self._preflight(args, model, optimizer, train_dataloader)
-        except Exception as failure:  # every rank must reach the agreement below, also after an error
-            error = failure
+        started, self._rows = time.perf_counter(), per_device_rows(args, state)
         # the one collective of the pre-flight, made by every rank whatever its pre-flight did; the shape
         # guard stays on on every rank or on none (a rank must not wait in a per-batch agreement alone)
-        agreed = agree([int(self._shapes is not None)], error)
+        agreed = self._run.preflight(lambda: self._preflight(args, model, optimizer, train_dataloader), 1)
         if agreed.error is not None:
             raise agreed.error
         assert self.plan is not None and agreed.row is not None
         if not agreed.row[0]:
             self._shapes = None
         if self.verbose and args.process_index == 0:
-            seconds = time.perf_counter() - started
-            # arguments plan_training_args made were printed with their plan: one line confirms it
-            say(
-                confirm_line(self.plan, args, seconds, self._shapes is not None)
-                if planned_by(args) is not None
-                else render_preflight(self.plan, args, self._rows, self._hooks.model, seconds)
-            )
+            seconds, shapes_on = time.perf_counter() - started, self._shapes is not None
+            say(preflight_line(self.plan, args, self._rows, self._hooks.model, seconds, shapes_on))
         if self.monitor:
             self._start_monitor(args, state, train_dataloader)
 
-    def _preflight(self, args: Any, model: nn.Module, optimizer: Any, loader: Any) -> list[str]:
+    def _preflight(self, args: Any, model: nn.Module, optimizer: Any, loader: Any) -> list[int]:
+        """This rank's pre-flight; its row for the agreement: whether its shape guard is on."""
         made = preflight_step(
             self, args, model, optimizer, loader, self._rows, self._hooks.tracing, self._input_name
         )
         self._made, self._shapes, self.plan = made, made.shapes, made.plan
-        return made.notes
+        return [int(made.shapes is not None)]
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # a micro-batch of an accumulating step: its phases end, the monitor's step (an optimizer step,
         # the Trainer's global_step) goes on
-        if self._run.phases is not None:
-            self._run.phases.substep_end()
+        self._run.phase("substep_end")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._run.phases is not None:
-            self._run.phases.step_end()
+        self._run.phase("step_end")
         self._run.call("step_end")
 
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._run.phases is not None:
-            self._run.phases.logged()
+        self._run.phase("logged")
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._run.phases is not None:
-            self._run.phases.saved()
+        self._run.phase("saved")
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._eval_pending = True  # the next evaluation's first batch is checked (once per shape)
-        if self._run.phases is not None:
-            self._run.phases.evaluated()
+        self._run.phase("evaluated")
 
     def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
         self._eval_pending = True
@@ -320,19 +270,16 @@ class ResourceGuardCallback(TrainerCallback):
                 self._stop_run(error)
                 raise
         self._run.call("batch_ready", batch if batch is not None else kwargs)
-        if self._run.phases is not None:
-            self._run.phases.forward_start(True)
+        self._run.phase("forward_start", True)
 
     def _eval_forward(self, kwargs: dict[str, Any]) -> None:
-        if self._run.phases is not None:
-            self._run.phases.forward_start(False)
+        self._run.phase("forward_start", False)
         if self.check_eval and self._eval_pending:
             self._eval_pending = False
             self._preflight_eval(kwargs)
 
     def _forward_end(self, training: bool) -> None:
-        if self._run.phases is not None:
-            self._run.phases.forward_end(training)
+        self._run.phase("forward_end", training)
 
     def _forward_error(self, error: BaseException | None, training: bool) -> None:
         """An out-of-memory error in a training forward closes the run now, while the allocator still
@@ -341,49 +288,23 @@ class ResourceGuardCallback(TrainerCallback):
             self._stop_run(error)
 
     def _preflight_eval(self, kwargs: dict[str, Any]) -> None:
-        from resource_guard.devices import resolve_device
-
-        args, model = self._args, self._hooks.model
-        if args is None or not kwargs or model is None:
-            return
-        made = self.plan
-        spec = made.device if made is not None else resolve_device(self.device or str(args.device))
-        if made is None and self.memory_limit is not None:
-            spec = spec.with_memory(parse_memory_limit(self.memory_limit, "ResourceGuardCallback"))
-        loss = self._made.loss if self._made is not None else hf_step.trainer_loss(
-            model, args, compute_loss_func=self.compute_loss_func, loss_fn=self.loss_fn
-        )  # fmt: skip
-        batch = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
         try:
-            with self._hooks.tracing():
-                check = self._evals.check(
-                    model, batch, loss, loop="evaluation", device=spec,
-                    optimizer=self._made.optimizer if made is not None and self._made is not None else None,
-                    gradients_kept=False, precision=hf_step.precision_of(args) or "32-true",
-                    headroom=self.headroom,
-                )  # fmt: skip
+            check = preflight_eval_batch(self, self._hooks, self._made, kwargs)
         except DoesNotFitError as error:
             self._stop_run(error)
             raise
-        if check is None:
-            return
-        if self.verbose and args.process_index == 0:
-            say(f"ResourceGuard: {check.line()}")
-        self._run.call("note", check.line())
+        if check is not None:
+            if self.verbose and self._args.process_index == 0:
+                say(f"ResourceGuard: {check.line()}")
+            self._run.call("note", check.line())
 
     # -- the run's monitor (frontdoors/run.py) ---------------------------------------------------
     def _start_monitor(self, args: Any, state: Any, loader: Any) -> None:
         made = self.plan
         assert made is not None
-        writer = None
-        if args.process_index == 0 and "tensorboard" in (args.report_to or []):
-            writer = tensorboard_writer(args)
+        writer = plan_writer(args, render_preflight(made, args, self._rows, self._hooks.model, 0.0), state)
         if writer is not None:
-            with contextlib.suppress(Exception):  # a broken writer is the monitor's to report
-                text = render_preflight(made, args, self._rows, self._hooks.model, 0.0)
-                head, _, rest = text.partition("\n")
-                writer.add_text(_TEXT_TAG, f"{head}\n\n{rest}", state.global_step)
-        self._writer = writer
+            self._run.closing.append(writer.close)
         log_dir = self.log_dir or os.path.join(args.output_dir, "resource_guard")
         flops = self._made.flops_per_step if self._made is not None else None
         max_steps = int(getattr(state, "max_steps", 0) or 0)
@@ -399,14 +320,10 @@ class ResourceGuardCallback(TrainerCallback):
                 monitor.note(line)
 
     def _stop_run(self, exc: BaseException | None = None) -> None:
-        """Close the monitor (the report is written and printed) and its writer. Safe to call twice."""
+        """Close the run (the report is written and printed, the writer closed). Safe to call twice."""
         report = self._run.close(exc)
         if report is not None:
             self.report = report
-        writer, self._writer = getattr(self, "_writer", None), None
-        if writer is not None:
-            with contextlib.suppress(Exception):
-                writer.close()
         if self._shapes is not None:
             self.shape_stats = self._shapes.stats()
         self._shapes = None
