@@ -197,3 +197,19 @@ def test_gpu_step_time_accumulates_shards_the_update_and_overlaps() -> None:
     assert hidden.comm_s == pytest.approx(p.micro_step_s / 20)
     assert exposed.comm_s == pytest.approx(p.micro_step_s / 2)
     assert math.isclose(exposed.step_s - hidden.step_s, exposed.comm_s - hidden.comm_s)
+
+
+def test_plan_ranks_by_the_gpu_model_on_one_catalog_gpu_and_keeps_the_rule_on_several() -> None:
+    from resource_guard.planning.planner import plan
+    from resource_guard.planning.speed import resolve_step_model
+
+    a100 = CATALOG.get("a100-40gb")
+    assert isinstance(resolve_step_model("auto", a100), GpuOpModel)
+    assert resolve_step_model("auto", a100, world_size=2) is None
+    assert resolve_step_model("rule", a100) is None
+    with torch.device("meta"):
+        model = _Decoder(layers=2)
+    one = plan(model, torch.optim.AdamW, _ids(16), _loss, device=a100, step_time="auto")
+    assert any("fastest that fits by the step-time model" in r for r in one.reasons)
+    two = plan(model, torch.optim.AdamW, _ids(16), _loss, device=a100, step_time="auto", world_size=2)
+    assert not any("step-time model" in r for r in two.reasons)

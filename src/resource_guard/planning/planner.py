@@ -324,7 +324,8 @@ def plan(
         step_time: how configurations that fit are ranked: ``"rule"`` (default: the relative-cost
             rule), ``"auto"`` (the per-operator step-time model,
             :class:`~resource_guard.planning.op_time.OpTimeModel`, on this machine's CPU, with
-            ``precision="auto"`` choosing between 32-true and bf16-mixed by it; the rule elsewhere) or
+            ``precision="auto"`` choosing between 32-true and bf16-mixed by it;
+            :class:`~resource_guard.planning.gpu_time.GpuOpModel` on one catalog GPU; the rule elsewhere) or
             a model with a ``predict`` method. Opt-in: ``plan_quality.py --speed`` finds its choice the
             fastest measured for 8/8 models, its step times within a median 8-16% on a shared CPU, and
             its planning 2-9× the rule's (a trace per configuration, a ~2 s calibration per process).
@@ -340,7 +341,7 @@ def plan(
     _check_inputs(model, optimizer, batch, loss_fn, who="plan")
     catalog = _catalog_arg(catalog)
     spec, reasons = _target_device(device, memory_limit, catalog)
-    step_model = resolve_step_model(step_time, spec)
+    step_model = resolve_step_model(step_time, spec, world_size)
     if precision == "auto" and step_model is not None and spec.kind == "cpu" and cpu_profile().native_bf16:
         args = dict(
             device=spec, target_batch_size=target_batch_size, headroom=headroom, checkpointing=checkpointing,

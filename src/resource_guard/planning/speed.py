@@ -1,8 +1,10 @@
 """The planner's choice among fitting configurations by predicted step time (rule 4 of the planner).
 
 On this machine's CPU the planner ranks what fits by :class:`~resource_guard.planning.op_time.OpTimeModel`
-(a per-operator model from the estimate's fake trace, with this CPU's calibrated speeds); elsewhere
-(catalog GPUs, MPS) it keeps the relative-cost rule of :func:`~resource_guard.planning.search.relative_cost`.
+(a per-operator model from the estimate's fake trace, with this CPU's calibrated speeds); on one CUDA/ROCm
+GPU of the catalog by :class:`~resource_guard.planning.gpu_time.GpuOpModel` (the same trace, the catalog's
+peak and bandwidth); elsewhere (several GPUs, whose strategies differ by communication; MPS) it keeps
+the relative-cost rule of :func:`~resource_guard.planning.search.relative_cost`.
 
 Every optimizer step has the same samples, so the fastest step is the fastest per sample.
 """
@@ -33,8 +35,9 @@ STEP_TIME_CHOICES = ("auto", "rule")
 Timed = dict[tuple[int, int, str], StepTimePrediction]  # (micro, checkpoint_every, strategy) -> prediction
 
 
-def resolve_step_model(step_time: Any, device: DeviceSpec) -> StepTimeModel | None:
-    """The model that ranks configurations: ``"auto"``: the op model on a CPU, else None (the rule)."""
+def resolve_step_model(step_time: Any, device: DeviceSpec, world_size: int = 1) -> StepTimeModel | None:
+    """The model that ranks configurations: ``"auto"``: the op model on a CPU or on one catalog GPU
+    with a peak and bandwidth, else None (the rule)."""
     if hasattr(step_time, "predict"):
         return step_time  # type: ignore[no-any-return]
     if step_time not in STEP_TIME_CHOICES:
@@ -42,9 +45,18 @@ def resolve_step_model(step_time: Any, device: DeviceSpec) -> StepTimeModel | No
             f"`plan(step_time={step_time!r})` must be 'auto', 'rule' or a step-time model with a `predict` "
             "method (`resource_guard.planning.op_time.OpTimeModel()`)"
         )
-    if step_time == "rule" or device.kind != "cpu":
+    if step_time == "rule":
         return None
-    return OpTimeModel()
+    if device.kind == "cpu":
+        return OpTimeModel()
+    if device.kind in ("cuda", "rocm") and world_size == 1:
+        from resource_guard.planning.gpu_time import GpuOpModel
+
+        try:
+            return GpuOpModel(device)
+        except ConfigurationError:  # no bandwidth or peak in the catalog: the rule
+            return None
+    return None
 
 
 def time_candidates(
@@ -84,7 +96,7 @@ def describe_win(
     """The reason: the winner's predicted step, the runner-up's, and the operator class that makes the gap."""
     mine = timed[(best.micro, int(best.ckpt), best.strategy)]
     line = (
-        f"fastest that fits by the step-time model on this CPU: {config_words(best, per_rank, precision)} "
+        f"fastest that fits by the step-time model: {config_words(best, per_rank, precision)} "
         f"at {mine.describe(per_rank // best.micro)}"
     )
     rest = sorted((c for c in others if c is not best), key=lambda c: step_ms(timed, c, per_rank))
