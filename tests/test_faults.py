@@ -102,7 +102,7 @@ def ours(record: Any) -> list[str]:
 def check_outputs(log_dir: Path, outcome: str, *, min_steps: int = 1) -> dict[str, Any]:
     """Events and report on disk; the report names the exception; returns report.json."""
     ea = events(log_dir)
-    steps = ea.Scalars("resource_guard/time/step_s")
+    steps = ea.Scalars("resource_guard/1_step/time_ms")
     assert steps, "no interval was flushed to the events file"
     assert "resource_guard/report/text_summary" in ea.Tags()["tensors"], "the report text was not flushed"
     report = json.loads((log_dir / "report.json").read_text())
@@ -494,7 +494,7 @@ def test_nvml_failing_mid_run_is_one_warning(
     assert len(ours(record)) == 1, ours(record)
     res.check()
     assert report is not None and report.stats.gpu_util_percent == pytest.approx(77.0)
-    assert events(tmp_path).Scalars("resource_guard/gpu/util_percent")[0].value == 77.0
+    assert events(tmp_path).Scalars("resource_guard/6_util/gpu_pct")[0].value == 77.0
     check_outputs(tmp_path, "ok", min_steps=8)
     assert fake.inits == fake.shutdowns == 1
 
@@ -652,7 +652,7 @@ def test_events_file_unwritable_mid_run_is_one_warning(
     # boundary): the guard logs steps 1 and 50, the Lightning run every step (log_every_n_steps=1); the
     # fault hits after step 51 (guard) or 3 (Lightning); the last boundary's events may or may not
     # have been written before it
-    logged = [e.step for e in events(tmp_path).Scalars("resource_guard/time/step_s")]
+    logged = [e.step for e in events(tmp_path).Scalars("resource_guard/1_step/time_ms")]
     sure, maybe = ([1], 50) if door == "guard" else ([1, 2], 3)
     assert logged in (sure, [*sure, maybe]), f"what was logged before the fault is on disk: {logged}"
 

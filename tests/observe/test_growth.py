@@ -12,6 +12,7 @@ import doctest
 import io
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -236,14 +237,15 @@ def test_fragmentation_and_growth_on_cuda_reach_the_report_and_tensorboard(
     ea.Reload()
     tags = set(ea.Tags()["scalars"])
     assert {
-        f"resource_guard/memory/{k}" for k in ("allocated_bytes", "reserved_bytes", "alloc_retries")
+        f"resource_guard/4_memory/{k}" for k in ("allocated_mib", "reserved_mib", "alloc_retries")
     } <= tags
-    assert ea.Scalars("resource_guard/memory/alloc_retries")[-1].value == 3
-    allocated = [e.value for e in ea.Scalars("resource_guard/memory/allocated_bytes")]
+    assert ea.Scalars("resource_guard/4_memory/alloc_retries")[-1].value == 3
+    assert ea.Scalars("resource_guard/4_memory/reserved_mib")[-1].value == 30 * 1024  # MiB, not bytes
+    allocated = [e.value for e in ea.Scalars("resource_guard/4_memory/allocated_mib")]
     # the leak, as TensorBoard shows it, in its own chart
     assert allocated == sorted(allocated) and allocated[-1] > allocated[0]
     layout = custom_scalar_layout()["resource_guard"]
-    assert any("memory/allocated_bytes" in r for r in layout["memory at step ends (bytes)"][1])
+    assert any(re.match(r, "resource_guard/4_memory/allocated_mib") for r in layout["memory (MiB)"][1])
     text = ea.Tensors("resource_guard/report/text_summary")[-1].tensor_proto.string_val[0].decode()
     assert "fragmentation" in text and "memory-growth" in text
 

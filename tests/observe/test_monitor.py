@@ -208,11 +208,14 @@ def test_interval_metrics_with_a_fake_clock(tmp_path: Path, monkeypatch: pytest.
     assert s.mfu == pytest.approx(1e10 / 0.1 / 1e12)
     assert report.verdict == "input-bound"
     tags = scalars(tmp_path)
-    assert [step for step, _ in tags["resource_guard/time/step_s"]] == [1, 4, 8, 9]
-    assert tags["resource_guard/time/data_wait_share"][0][1] == pytest.approx(5 / 6)
-    assert tags["resource_guard/time/stalled"][1][1] == 1.0
-    assert tags["resource_guard/util/mfu"][1][1] == pytest.approx(0.1)
-    assert "resource_guard/memory/peak_bytes" in tags
+    assert [step for step, _ in tags["resource_guard/1_step/time_ms"]] == [1, 4, 8, 9]
+    assert tags["resource_guard/1_step/time_ms"][1][1] == pytest.approx(100.0)  # ms, not s
+    assert tags["resource_guard/1_step/data_wait_pct"][0][1] == pytest.approx(500 / 6)  # %, no phases
+    assert tags["resource_guard/1_step/data_wait_pct"][1][1] == pytest.approx(20.0)
+    assert tags["resource_guard/6_util/mfu_pct"][1][1] == pytest.approx(10.0)
+    assert "resource_guard/4_memory/rss_peak_mib" in tags  # on the CPU the peak is the RSS's, in MiB
+    # nothing a CPU run does not have, and no raw bytes
+    assert not [t for t in tags if "gpu" in t or "allocated" in t or t.endswith("_bytes")], sorted(tags)
 
 
 def test_a_fast_loader_is_healthy_with_a_fake_clock(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -339,8 +342,8 @@ def test_input_bound_run_is_reported_with_loader_advice(tmp_path: Path, one_thre
     assert any("persistent_workers" in a and "prefetch_factor" in a for a in finding["advice"])
     assert "input-bound" in (tmp_path / "report.md").read_text()
     tags = scalars(tmp_path)
-    assert max(v for _, v in tags["resource_guard/time/data_wait_share"]) > 0.3
-    assert {"resource_guard/time/step_s", "resource_guard/throughput/samples_per_s"} <= set(tags)
+    assert max(v for _, v in tags["resource_guard/1_step/data_wait_pct"]) > 30
+    assert {"resource_guard/1_step/time_ms", "resource_guard/5_throughput/samples_per_s"} <= set(tags)
     assert list((tmp_path / "profiler").glob("*.pt.trace.json.gz"))
     assert not sampler_threads() and not torch.autograd._profiler_enabled()
 
@@ -534,7 +537,7 @@ def test_monitor_on_a_cuda_device_writes_nvml_gauges_and_warns_once_per_failure(
     assert any("CUDA is not available" in m for m in messages)
     assert sum("GpuIsLost" in m for m in messages) == 1
     assert report is not None and report.stats.gpu_util_percent == pytest.approx(77.0)
-    assert scalars(tmp_path)["resource_guard/gpu/util_percent"][0][1] == 77.0
+    assert scalars(tmp_path)["resource_guard/6_util/gpu_pct"][0][1] == 77.0
     assert fake.shutdowns == 1 and not sampler_threads()
 
 

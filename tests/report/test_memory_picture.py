@@ -45,7 +45,7 @@ def test_the_capacity_line_is_drawn_near_the_peak_and_named_off_scale() -> None:
     assert _count(near, CAPACITY_RED) > 300  # a line across the plot
     assert _count(far, CAPACITY_RED) == 0  # off scale: only named in the legend
     legend = [t.get_text() for t in memory_figure(TIMELINE_MIB, 10**12).axes[0].get_legend().get_texts()]
-    assert "capacity 931.32 GiB (off scale)" in legend
+    assert "capacity 953,674.3 MiB (off scale)" in legend  # in MiB, as the plan writes it
 
 
 def test_axes_say_phases_and_units_and_the_categories_are_stacked() -> None:
@@ -55,7 +55,7 @@ def test_axes_say_phases_and_units_and_the_categories_are_stacked() -> None:
     assert [t.get_text() for t in ax.get_xticklabels()] == ["forward", "backward", "optimizer"]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend[: len(CATEGORIES)] == list(CATEGORIES)
-    assert "capacity 600.00 MiB" in legend and "peak 410.00 MiB" in legend
+    assert "capacity 600.0 MiB" in legend and "live tensors' peak 410.0 MiB" in legend
     top = max(ax.collections, key=lambda c: c.get_paths()[0].vertices[:, 1].max())  # the last stack
     assert top.get_paths()[0].vertices[:, 1].max() == pytest.approx(410.0)  # stacked: the sum, in MiB
     gib = memory_figure([(p, tuple(v * 2**10 for v in row)) for p, row in TIMELINE_MIB], None)

@@ -43,9 +43,15 @@ def test_docstring_examples_run() -> None:
 
 def test_layout_groups_related_curves_under_the_prefix() -> None:
     charts = custom_scalar_layout()["resource_guard"]
-    kind, regexes = charts["step time split (s)"]
-    assert kind == "Multiline" and all(r.startswith("^resource_guard/time/") for r in regexes)
-    assert any("data_wait_share" in r for r in charts["data wait share"][1])
+    kind, regexes = charts["step time (ms)"]
+    assert kind == "Multiline" and all(r.startswith("^resource_guard/1_step/") for r in regexes)
+    assert any("data_wait_pct" in r for r in charts["data wait (% of the step)"][1])
+    # one unit per chart: samples/s apart from tokens/s, MFU apart from CPU %
+    assert charts["samples/s"][1] != charts["tokens/s"][1] and "mfu" not in str(
+        charts["CPU and GPU busy (%)"]
+    )
+    cpu = custom_scalar_layout(cuda=False)["resource_guard"]  # no chart that stays empty on a CPU
+    assert "GPU power (W)" in charts and not [t for t in cpu if "GPU power" in t or "retries" in t]
 
 
 def test_scalars_text_and_image_land_in_the_event_file(tmp_path: Path) -> None:
@@ -106,7 +112,7 @@ def test_background_events_are_on_disk_after_close_and_after_an_exception_in_the
                 g.backward(model(x).sum())
                 if i == 54:
                     raise RuntimeError("boom")
-    steps = [e.step for e in _accumulator(tmp_path).Scalars("resource_guard/time/step_s")]
+    steps = [e.step for e in _accumulator(tmp_path).Scalars("resource_guard/1_step/time_ms")]
     assert steps == [1, 50, 54], steps  # the last interval, written at close: 54 steps completed
     log = TBLog(log_dir=tmp_path / "plain")
     for step in range(1, 4):
@@ -220,7 +226,7 @@ def test_a_real_tensorboard_serves_the_scalars_and_the_report(tmp_path: Path) ->
                 pass
             time.sleep(0.5)
         assert "resource_guard/report/text_summary" in text_tags.get("run", []), text_tags
-        assert "resource_guard/time/data_wait_share" in tags and "resource_guard/time/step_s" in tags
+        assert "resource_guard/1_step/data_wait_pct" in tags and "resource_guard/1_step/time_ms" in tags
         texts = _get(port, "/data/plugin/text/text", run="run", tag="resource_guard/report/text_summary")
         assert f"Verdict: {report.verdict}" in texts[-1]["text"]
     finally:

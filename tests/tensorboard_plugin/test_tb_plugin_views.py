@@ -164,7 +164,7 @@ def test_memory_against_the_capacity_the_plan_used(client: Any, logdir: Path) ->
     assert data["usable_mib"] == pytest.approx(planned["usable_bytes"] / 2**20, abs=0.01)
     assert data["estimate_mib"] == pytest.approx(planned["predicted_peak_bytes"] / 2**20, abs=0.01)
     tags = {s["tag"] for s in data["series"]}
-    assert "resource_guard/memory/peak_bytes" in tags
+    assert "resource_guard/4_memory/rss_peak_mib" in tags  # a CPU run: the RSS's peak, in MiB
     assert all(isinstance(p[1], float) for s in data["series"] for p in s["points"])
 
 

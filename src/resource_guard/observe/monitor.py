@@ -67,10 +67,24 @@ from resource_guard.step.training import iter_tensors
 if TYPE_CHECKING:  # estimate (and its tracer) is not imported at run time
     from resource_guard.devices import DeviceSpec
     from resource_guard.estimate import MemoryEstimate
+    from resource_guard.estimate.allocation.allocator import DeviceFit
 
-__all__ = ["RunMonitor", "ProfileWindow", "count_flops", "METRIC_KEYS"]
+__all__ = [
+    "LOG_EVERY_STEP_UNTIL",
+    "LOG_INTERVAL_S",
+    "METRIC_KEYS",
+    "ProfileWindow",
+    "RunMonitor",
+    "count_flops",
+]
 
 _clock = time.perf_counter
+# the time-bounded log cadence (``RunMonitor(log_every_n_steps=None)``, the default): every step for the
+# first 20 steps (a short run's curves have a point per step; one boundary costs ~0.3 ms), then about
+# one boundary every 2 s; at most 1000 steps apart (a loop whose steps speed up still logs)
+LOG_EVERY_STEP_UNTIL = 20
+LOG_INTERVAL_S = 2.0
+LOG_MAX_STEPS = 1000
 
 
 class RunMonitor(MonitorOutputs):
@@ -81,13 +95,25 @@ class RunMonitor(MonitorOutputs):
             profiler trace (rank zero); ``None`` writes no files (unless ``writer`` has a ``log_dir``).
         device: the training device. ``cuda`` enables NVML sampling, CUDA events and allocator peaks.
         interval_s: seconds between background samples.
-        log_every_n_steps: steps per logged interval.
+        log_every_n_steps: steps per logged interval (a log boundary after step 1 and every n-th step);
+            ``None`` (the default): time-bounded, every step for the first
+            :data:`LOG_EVERY_STEP_UNTIL` steps (a short run is logged step by step), then one boundary
+            about every ``log_interval_s`` seconds (see :meth:`_schedule_log`).
+        log_interval_s: with ``log_every_n_steps=None``, the seconds between two log boundaries after
+            the first steps (:data:`LOG_INTERVAL_S` by default).
         profile: a :class:`ProfileWindow`, ``True`` for the default window, ``False`` for none.
         estimate: the pre-flight :class:`~resource_guard.MemoryEstimate` (drift, memory PNG).
         capacity_bytes: device capacity the measured peak is held against; default from
             ``device_spec``, CUDA or the host RAM.
         planned_capacity_bytes: the capacity the plan fitted the step into (a ``memory_limit``, or the
-            device's), drawn as the memory picture's capacity line; default ``capacity_bytes``'s.
+            device's), drawn as the memory picture's capacity line; default ``planned_fit``'s, else
+            ``capacity_bytes``'s.
+        planned_fit: the plan's :class:`~resource_guard.estimate.allocation.allocator.DeviceFit`
+            (``Plan.fit``): its capacity, usable line (``usable_bytes``), predicted peak
+            (``device_total_bytes``) and estimated allocated peak are what the report
+            (``report.json``'s ``capacity_bytes``, ``usable_bytes``, ``predicted_peak_bytes``,
+            ``estimated_peak_bytes``), the memory picture and the CUDA memory scalars show, the same
+            figures as the plan's text and ``guard.json``.
         device_spec: catalog facts (peak TFLOP/s for MFU, bf16/TF32/tensor cores for the rules).
         writer: an existing ``SummaryWriter`` (never closed here); ``None`` creates one in ``log_dir``.
         rank / world_size: this process's rank; only rank zero writes.
@@ -117,11 +143,13 @@ class RunMonitor(MonitorOutputs):
         *,
         device: torch.device | str = "cpu",
         interval_s: float = 1.0,
-        log_every_n_steps: int = 10,
+        log_every_n_steps: int | None = None,
+        log_interval_s: float = LOG_INTERVAL_S,
         profile: ProfileWindow | bool = True,
         estimate: MemoryEstimate | None = None,
         capacity_bytes: int | None = None,
         planned_capacity_bytes: int | None = None,
+        planned_fit: DeviceFit | None = None,
         device_spec: DeviceSpec | None = None,
         writer: Any | None = None,
         rank: int = 0,
@@ -143,12 +171,18 @@ class RunMonitor(MonitorOutputs):
             raise bad("device", device, "a torch device such as 'cpu' or 'cuda:0'") from exc
         if not (isinstance(interval_s, (int, float)) and 0 < interval_s < math.inf):
             raise bad("interval_s", interval_s, "a number of seconds > 0")
-        if (
+        if log_every_n_steps is not None and (
             not isinstance(log_every_n_steps, int)
             or isinstance(log_every_n_steps, bool)
             or log_every_n_steps < 1
         ):
-            raise bad("log_every_n_steps", log_every_n_steps, "an int >= 1")
+            raise bad("log_every_n_steps", log_every_n_steps, "an int >= 1, or None (time-bounded)")
+        if not (
+            isinstance(log_interval_s, (int, float))
+            and not isinstance(log_interval_s, bool)
+            and 0 < log_interval_s < math.inf
+        ):
+            raise bad("log_interval_s", log_interval_s, "a number of seconds > 0")
         if profile is True:
             profile = ProfileWindow()
         if not (profile is False or profile is None or isinstance(profile, ProfileWindow)):
@@ -166,6 +200,11 @@ class RunMonitor(MonitorOutputs):
         for name, value in capacities.items():
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise bad(name, value, "a positive int or None")
+        if planned_fit is not None and not all(
+            isinstance(getattr(planned_fit, k, None), int)
+            for k in ("capacity_bytes", "usable_bytes", "device_total_bytes", "allocated_peak_bytes")
+        ):
+            raise bad("planned_fit", planned_fit, "the plan's DeviceFit (Plan.fit) or None")
         if flops_per_step is not None and not (
             isinstance(flops_per_step, (int, float)) and flops_per_step > 0
         ):
@@ -179,9 +218,12 @@ class RunMonitor(MonitorOutputs):
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.interval_s = float(interval_s)
         self.log_every_n_steps = log_every_n_steps
+        self.log_interval_s = float(log_interval_s)
+        self._next_log = 1  # the step of the next log boundary (time-bounded cadence)
         self.profile_window: ProfileWindow | None = profile or None
         self.estimate, self.capacity_bytes, self.device_spec = estimate, capacity_bytes, device_spec
         self.planned_capacity_bytes = planned_capacity_bytes
+        self.planned_fit = planned_fit
         self.rank, self.world_size, self.stall_threshold = rank, world_size, float(stall_threshold)
         self.loader_info = dict(loader_info or {})
         self.flops_per_step, self.precision, self.summary = flops_per_step, precision, summary
@@ -253,7 +295,7 @@ class RunMonitor(MonitorOutputs):
             self._guard("device detection", self._detect_device)
         if self.rank == 0 and (self.log_dir is not None or self._writer_arg is not None):
             self._tb = TBLog(self._writer_arg, self.log_dir)
-            self._guard("TensorBoard", self._tb.layout, off="_tb")
+            self._guard("TensorBoard", self._tb.layout, cuda=self._cuda, off="_tb")
         gpus: tuple[int, ...] = ()
         if self.device.type == "cuda":  # every visible GPU; under DDP each rank samples its own
             own = self.device.index or 0
@@ -392,7 +434,7 @@ class RunMonitor(MonitorOutputs):
                     begun = _clock()
                     job.wait(PICTURE_DEADLINE_S)
                     self._picture_wait_s += _clock() - begun
-            if self._step == 1 or self._step % self.log_every_n_steps == 0:
+            if self._log_due():
                 # the interval ends with the step, before the monitor's own work above: that work is
                 # then out of both clocks alike (skipped below), not of the step time alone
                 self._log_interval(now)
@@ -413,6 +455,26 @@ class RunMonitor(MonitorOutputs):
                 self._traced = (timer.hold(), None if phases is None else phases.hold())
         except Exception as exc:
             self._break(exc)
+
+    def _log_due(self) -> bool:
+        """Whether the step just ended closes a logged interval."""
+        every = self.log_every_n_steps
+        if every is not None:
+            return self._step == 1 or self._step % every == 0
+        return self._step >= self._next_log
+
+    def _schedule_log(self, step_s: float | None) -> None:
+        """After a log boundary (time-bounded cadence): the next one is the next step while the run is
+        in its first :data:`LOG_EVERY_STEP_UNTIL` steps, then ``log_interval_s`` seconds of steps
+        ahead at ``step_s``, the job's mean step time of the interval just logged. Under
+        ``torch.distributed`` that figure is the same on every rank (the row is aggregated), so every
+        rank reaches the same boundaries (each is a collective) without exchanging a clock."""
+        if self.log_every_n_steps is not None:
+            return
+        steps = 1
+        if self._step >= LOG_EVERY_STEP_UNTIL and step_s is not None and math.isfinite(step_s) and step_s > 0:
+            steps = max(1, min(LOG_MAX_STEPS, int(self.log_interval_s / step_s)))
+        self._next_log = self._step + steps
 
     def _drop_traced(self, held: tuple[Any, Any], now: float, *, step: bool) -> None:
         """Leave the time since ``held`` (a step the profiler traced) out of the step time and phases:

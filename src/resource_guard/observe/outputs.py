@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ from resource_guard.observe.throughput import aggregate_rows, gather_rows, peak_
 from resource_guard.planning.projection_result import remaining_markdown, remaining_run
 from resource_guard.report.breakdown import phase_line
 from resource_guard.report.findings import Report, RunStats
+from resource_guard.report.scalar_tags import phase_values
 from resource_guard.report.tensorboard import memory_picture, png_bytes
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ class MonitorOutputs:
     _phase_sums: dict[str, float]
     _phase_steps: int
     _phase_first: tuple[dict[str, float], int] | None = None
+    _phases_seen: Collection[str] = frozenset()  # the phases non-zero so far in the run (scalars)
+    planned_fit: Any = None  # the plan's DeviceFit: its capacity, usable line and predicted peak
     _traced_steps: int = 0  # steps the profiler traced, left out of the intervals
     _traced_s: float = 0.0
     optimizers: Any = ()  # set by a front door: its optimizers, described at close (optimizer-step)
@@ -181,16 +184,27 @@ class MonitorOutputs:
             peak_flops_per_s=self._peak_flops(),
         )
         self._intervals.append(tuple(agg[k] for k in METRIC_KEYS))
+        self._schedule_log(agg.get("time/step_s"))  # the same on every rank: the row is aggregated
         self._guard("projection", self._project_remaining, agg.get("time/step_s"))
         if self._tb is None:
             return
-        out = tensorboard_scalars(agg, maxes, gauges, world_size=self.world_size)
-        out.update(phase_row)
+        out = tensorboard_scalars(
+            agg,
+            maxes,
+            gauges,
+            world_size=self.world_size,
+            cuda=self._cuda,
+            phases_timed=phase_totals is not None,
+            plan=self._plan_memory(),
+        )
+        if phase_row:  # each phase's share of this rank's step, once it was non-zero in the run
+            phase_tags, self._phases_seen = phase_values(phase_row, iv.wall_s / iv.steps, self._phases_seen)
+            out.update(phase_tags)
         self._guard("TensorBoard", lambda: self._tb.scalars(self._step, out), off="_tb")  # type: ignore[union-attr]
 
     def _add_phases(self, totals: Mapping[str, float] | None, steps: int) -> dict[str, float]:
         """Keep this interval's phase totals for the run (the first interval, the start-up step, only
-        until a later one exists); this rank's ``phase/<name>_s`` scalars (seconds per step)."""
+        until a later one exists); this rank's phases in seconds per step, by name."""
         if totals is None:
             return {}
         if not self._intervals:  # the start-up step: used only when no later interval comes
@@ -199,7 +213,10 @@ class MonitorOutputs:
             for key, value in totals.items():
                 self._phase_sums[key] = self._phase_sums.get(key, 0.0) + value
             self._phase_steps += steps
-        return {f"phase/{key}_s": value / steps for key, value in totals.items()}
+        return {key: value / steps for key, value in totals.items()}
+
+    def _schedule_log(self, step_s: float | None) -> None:
+        """The monitor's cadence (:meth:`RunMonitor._schedule_log`): after each logged interval."""
 
     def _gather_ranks(self) -> None:
         """Under ``torch.distributed``, at close: every rank's own step time, data wait and phases reach
@@ -237,7 +254,7 @@ class MonitorOutputs:
             device_spec=self.device_spec,
             flops_per_step=self.flops_per_step,
             peak_flops_per_s=self._peak_flops(),
-            capacity_bytes=self._capacity(),
+            capacity_bytes=self._planned_capacity(),
             estimated_peak_bytes=self._estimated_peak_bytes(),
             precision=self.precision,
             loader_info=self.loader_info,
@@ -248,6 +265,13 @@ class MonitorOutputs:
             oom=None if self._oom is None else self._oom.to_dict(),
             memory_growth=self._memory_growth(),
             expandable_segments=expandable_segments() if self._cuda else None,
+        )
+        plan = self._plan_memory() or {}
+        stats = dataclasses.replace(
+            stats,
+            usable_bytes=plan.get("usable_bytes"),
+            predicted_peak_bytes=plan.get("predicted_peak_bytes"),
+            ram_bytes=None if self._cuda else self._capacity(),  # the RSS peak's yardstick
         )
         if self._traced_steps:  # the run's steps and duration include the traced ones
             duration = None if stats.duration_s is None else stats.duration_s + self._traced_s
@@ -385,8 +409,42 @@ class MonitorOutputs:
         return None if trend is None else trend.to_dict()
 
     def _planned_capacity(self) -> int | None:
-        """The memory picture's capacity line: what the plan fitted the step into."""
-        return self.planned_capacity_bytes if self.planned_capacity_bytes is not None else self._capacity()
+        """The capacity every output shows (the memory picture's line, the report's ``capacity_bytes``):
+        what the plan fitted the step into; without a plan, the monitor's (:meth:`_capacity`)."""
+        if self.planned_capacity_bytes is not None:
+            return self.planned_capacity_bytes
+        if self.planned_fit is not None:
+            return int(self.planned_fit.capacity_bytes)
+        return self._capacity()
+
+    def _plan_memory(self) -> dict[str, int | None] | None:
+        """The plan's memory figures, the ones the plan's text and ``guard.json`` show: the capacity it
+        fitted the step into, the usable part, the predicted peak as the device counts it and the
+        estimated allocated peak (``None`` without a plan; only the capacity when the door gave only
+        ``planned_capacity_bytes``)."""
+        fit = self.planned_fit
+        if fit is not None:
+            return {
+                "capacity_bytes": self._planned_capacity(),
+                "usable_bytes": int(fit.usable_bytes),
+                "predicted_peak_bytes": int(fit.device_total_bytes),
+                "estimated_peak_bytes": int(fit.allocated_peak_bytes),
+            }
+        if self.planned_capacity_bytes is not None:
+            return {"capacity_bytes": self.planned_capacity_bytes}
+        return None
+
+    def _draw_picture(self, timeline: Any, title: str) -> Any:
+        """The memory picture with the plan's lines: the capacity it used, its usable line, its
+        predicted peak (:meth:`_plan_memory`)."""
+        plan = self._plan_memory() or {}
+        return memory_picture(
+            timeline,
+            self._planned_capacity(),
+            usable_bytes=plan.get("usable_bytes"),
+            predicted_peak_bytes=plan.get("predicted_peak_bytes"),
+            title=title,
+        )
 
     def _capacity(self) -> int | None:
         if self.capacity_bytes is not None:
@@ -405,6 +463,9 @@ class MonitorOutputs:
         if estimate is None:
             return None
         if self._comparable_estimate is not None:
+            return self._comparable_estimate
+        if self.planned_fit is not None:  # the plan's (guard.json's estimated_peak_bytes): one figure
+            self._comparable_estimate = int(self.planned_fit.allocated_peak_bytes)
             return self._comparable_estimate
         value = estimate.peak_bytes
         if self._cuda and self.device_spec is not None:
@@ -472,8 +533,8 @@ class MonitorOutputs:
             peak_at_oom_bytes=None if peak is None else int(peak),
             last_logged_peak_bytes=int(logged[-1]) if logged else None,
             peak_memory_source="cuda_allocated" if self._cuda else "rss",
-            estimated_peak_bytes=self.estimate.peak_bytes if self.estimate is not None else None,
-            capacity_bytes=self._capacity(),
+            estimated_peak_bytes=self._estimated_peak_bytes(),
+            capacity_bytes=self._planned_capacity(),
             snapshot_path=snapshot,
         )
         if directory is not None:
@@ -512,16 +573,16 @@ class MonitorOutputs:
         if self._tb is None and self._files_dir is None:  # nowhere to put it: not drawn
             return None
         title = f"pre-flight memory of one step ({estimate.precision}) vs {self.device}"
-        # the line is the capacity the plan fitted the step into (a memory_limit), not the host's RAM
-        capacity = self._planned_capacity()
-        key = (id(estimate), capacity, title)
+        # the lines are the plan's: the capacity it fitted the step into (a memory_limit, not the host's
+        # RAM), its usable part and its predicted peak
+        key = (id(estimate), tuple((self._plan_memory() or {}).values()), self._planned_capacity(), title)
         if begin:
             timeline = estimate.timeline
-            self._picture_job = PictureJob(lambda: memory_picture(timeline, capacity, title=title), key)
+            self._picture_job = PictureJob(lambda: self._draw_picture(timeline, title), key)
             return None
         job, self._picture_job = self._picture_job, None
         if job is None or job.key != key:
-            return self._guard("memory picture", memory_picture, estimate.timeline, capacity, title=title)
+            return self._guard("memory picture", self._draw_picture, estimate.timeline, title)
         if not job.wait(PICTURE_DEADLINE_S):
             directory = self._files_dir
             late = directory is not None and job.write_when_done(directory / "memory.png")

@@ -1,5 +1,6 @@
 """The numbers of a :class:`~resource_guard.RunMonitor`, as pure functions: the interval row
-(:data:`METRIC_KEYS`, one row per log boundary, as TensorBoard shows it), the job-level row across
+(:data:`METRIC_KEYS`, one row per log boundary; TensorBoard shows it under the tags of
+:mod:`resource_guard.report.scalar_tags`), the job-level row across
 ranks, and the run-level :class:`~resource_guard.report.findings.RunStats` the report is drawn from.
 
 The monitor does the reading (clock, CUDA events, allocator peaks, the collective); these functions only
@@ -19,6 +20,7 @@ from resource_guard.observe.phases import phase_means
 from resource_guard.observe.profiling import ProfileSummary
 from resource_guard.observe.throughput import Interval
 from resource_guard.report.findings import RunStats, available_cores
+from resource_guard.report.scalar_tags import scalar_values
 from resource_guard.report.types import PHASES
 
 if TYPE_CHECKING:
@@ -130,15 +132,18 @@ def tensorboard_scalars(
     gauges: Mapping[str, tuple[float, float]],
     *,
     world_size: int,
+    cuda: bool = False,
+    phases_timed: bool = False,
+    plan: Mapping[str, int | None] | None = None,
 ) -> dict[str, float]:
-    """The scalars to log for one interval: the job's row, the slowest rank under DDP, every GPU's
+    """The scalars to log for one interval, under their TensorBoard tags
+    (:mod:`resource_guard.report.scalar_tags`): the job's row, the slowest rank under DDP, every GPU's
     gauges when more than one GPU was sampled."""
-    out = {k: v for k, v in agg.items() if k != "steps"}
-    if world_size > 1:
-        out.update({f"{k}_max": maxes[METRIC_KEYS.index(k)] for k in RANK_MAX_KEYS})
+    slowest = {k: maxes[METRIC_KEYS.index(k)] for k in RANK_MAX_KEYS} if world_size > 1 else None
+    gpus = None
     if len({k.split("/")[0] for k in gauges if k.startswith("gpu")}) > 1:
-        out.update({k: mean for k, (mean, _) in gauges.items() if k.startswith("gpu")})
-    return out
+        gpus = {k: mean for k, (mean, _) in gauges.items() if k.startswith("gpu")}
+    return scalar_values(agg, cuda=cuda, maxes=slowest, gpus=gpus, phases_timed=phases_timed, plan=plan)
 
 
 def run_stats(

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from resource_guard.devices import format_bytes
 from resource_guard.report.breakdown import breakdown_markdown
-from resource_guard.report.types import Finding, RunStats
+from resource_guard.report.types import Finding, RunStats, plan_mib
 
 __all__ = ["close_text", "format_value", "memory_note", "render_markdown", "summary_rows"]
 
@@ -40,8 +40,22 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def _plan_rows(s: RunStats) -> list[tuple[str, Any]]:
+    """The plan's memory figures, named and written as the plan's text writes them."""
+    rows: list[tuple[str, Any]] = []
+    if s.predicted_peak_bytes:
+        rows.append(("predicted peak (the plan's)", plan_mib(s.predicted_peak_bytes)))
+    if s.usable_bytes:
+        rows.append(("usable (the plan's)", plan_mib(s.usable_bytes)))
+    if s.usable_bytes or s.predicted_peak_bytes:  # planned: the capacity the plan fitted the step into
+        rows.append(("capacity (the plan's)", plan_mib(s.capacity_bytes) if s.capacity_bytes else None))
+    return rows
+
+
 def _memory_rows(s: RunStats) -> list[tuple[str, Any]]:
-    """Measured and estimated memory, each labelled with what it counts; like beside like only."""
+    """Measured and estimated memory, each labelled with what it counts; like beside like only. On a
+    planned run, the plan's predicted peak, usable line and capacity, as the plan states them."""
+    planned = _plan_rows(s)
     if s.peak_memory_source == "cuda_allocated":
         rows: list[tuple[str, Any]] = [
             ("peak allocated (max_memory_allocated)", format_bytes(s.peak_memory_bytes)),
@@ -50,17 +64,22 @@ def _memory_rows(s: RunStats) -> list[tuple[str, Any]]:
         if s.peak_memory_bytes and s.estimated_peak_bytes:
             error = s.peak_memory_bytes / s.estimated_peak_bytes - 1
             rows.append(("measured vs estimate", f"{error:+.1%}"))
-        return [*rows, ("capacity", format_bytes(s.capacity_bytes))]
+        return [*rows, *(planned or [("capacity", format_bytes(s.capacity_bytes))])]
     if s.peak_memory_source == "rss":
-        return [
+        rows = [
             ("process RSS peak (whole process)", format_bytes(s.peak_memory_bytes)),
-            ("host RAM", format_bytes(s.capacity_bytes)),
+            ("host RAM", format_bytes(s.measured_capacity_bytes)),
+        ]
+        if planned:  # the plan's figures count tensor bytes: not comparable with the RSS
+            return [*rows, *planned]
+        return [
+            *rows,
             ("pre-flight tensor estimate (not comparable with RSS)", format_bytes(s.estimated_peak_bytes)),
         ]
     return [
         ("peak memory", format_bytes(s.peak_memory_bytes)),
         ("estimated peak", format_bytes(s.estimated_peak_bytes)),
-        ("capacity", format_bytes(s.capacity_bytes)),
+        *(planned or [("capacity", format_bytes(s.capacity_bytes))]),
     ]
 
 

@@ -65,10 +65,11 @@ def rule_memory_growth(s: RunStats) -> Finding | None:
     evidence: dict[str, Any] = dict(g)
     evidence["measured_as"] = _SOURCES.get(str(g.get("source")), g.get("source"))
     severity = "warning"
-    if s.capacity_bytes and g.get("last_bytes") is not None:
-        left = (s.capacity_bytes - g["last_bytes"]) / slope
+    capacity = s.measured_capacity_bytes
+    if capacity and g.get("last_bytes") is not None:
+        left = (capacity - g["last_bytes"]) / slope
         evidence["steps_to_capacity"] = max(0, int(left))
-        evidence["capacity_bytes"] = s.capacity_bytes
+        evidence["capacity_bytes"] = capacity
         if left <= max(1, g.get("steps") or 0):
             severity = "critical"
     advice = (

@@ -211,9 +211,10 @@ def rule_oom(s: RunStats) -> Finding | None:
 
 def rule_memory_pressure(s: RunStats) -> Finding | None:
     """The measured peak is above 90% of the device capacity."""
-    if not s.peak_memory_bytes or not s.capacity_bytes:
+    capacity = s.measured_capacity_bytes
+    if not s.peak_memory_bytes or not capacity:
         return None
-    fraction = s.peak_memory_bytes / s.capacity_bytes
+    fraction = s.peak_memory_bytes / capacity
     if fraction <= MEMORY_PRESSURE_FRACTION:
         return None
     advice = ["Enable activation checkpointing on the largest blocks."]
@@ -222,7 +223,7 @@ def rule_memory_pressure(s: RunStats) -> Finding | None:
     advice.append("Use a smaller micro-batch with gradient accumulation to keep the effective batch.")
     evidence = {
         "peak_memory_bytes": s.peak_memory_bytes,
-        "capacity_bytes": s.capacity_bytes,
+        "capacity_bytes": capacity,
         "fraction": round(fraction, 4),
         "source": s.peak_memory_source,
     }

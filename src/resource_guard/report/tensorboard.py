@@ -1,4 +1,5 @@
-"""TensorBoard output of the monitor: scalars under ``resource_guard/``, a custom-scalars layout, the
+"""TensorBoard output of the monitor: scalars under ``resource_guard/`` (their tags:
+:mod:`resource_guard.report.scalar_tags`), a custom-scalars layout, the
 report as text and the pre-flight memory picture as an image.
 
 :class:`TBLog` wraps a ``SummaryWriter`` (its own, created in the log dir, or one it is handed, e.g.
@@ -35,9 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from resource_guard.devices import format_bytes
 from resource_guard.estimate import CATEGORIES
-from resource_guard.report.types import PHASES
+from resource_guard.report.types import plan_mib
 
 __all__ = [
     "TAG_PREFIX",
@@ -50,24 +50,24 @@ __all__ = [
 ]
 
 TAG_PREFIX = "resource_guard/"
-_CHARTS = {
-    "step time split (s)": ["time/step_s", "time/data_wait_s", "time/compute_s", "time/device_compute_s"],
-    "data wait share": ["time/data_wait_share", "time/stalled"],
-    "throughput": ["throughput/samples_per_s", "throughput/tokens_per_s"],
-    "utilization": ["util/mfu", "gpu/util_percent", "host/process_cpu_percent", "host/system_cpu_percent"],
-    "memory (bytes)": ["memory/peak_bytes", "gpu/memory_used_bytes", "host/process_rss_bytes"],
-    "memory vs estimate": ["memory/estimate_error"],
-    "memory at step ends (bytes)": [
-        "memory/allocated_bytes",
-        "memory/reserved_bytes",
-        "memory/reserved_gap_bytes",
-    ],
-    "allocator retries": ["memory/alloc_retries"],
-    # one chart of the step by phase, seconds per step (observe/phases.py); the parts add up to the step
-    "step time by phase (s)": [f"phase/{p}_s" for p in PHASES],
-    "GPU power and clock": ["gpu/power_w", "gpu/temperature_c", "gpu/sm_clock_mhz"],
+# custom-scalars charts: title -> (tag regexes below TAG_PREFIX, CUDA only); related curves of one unit
+_CHARTS: dict[str, tuple[list[str], bool]] = {
+    "step time (ms)": ([r"1_step/time_ms(_slowest_rank)?", r"1_step/device_compute_ms"], False),
+    "step by phase (% of the step)": ([r"2_phase_pct/\w+"], False),
+    "step by phase (ms per step)": ([r"3_phase_ms/\w+"], False),
+    "data wait (% of the step)": ([r"1_step/data_wait_pct(_slowest_rank)?", r"2_phase_pct/data_wait"], False),
+    "memory (MiB)": ([r"4_memory/\w+_mib", r"8_host/rss_mib"], False),
+    "memory vs estimate (%)": ([r"4_memory/estimate_error_pct"], True),
+    "allocator retries": ([r"4_memory/alloc_retries"], True),
+    "samples/s": ([r"5_throughput/samples_per_s"], False),
+    "tokens/s": ([r"5_throughput/tokens_per_s"], False),
+    "MFU (%)": ([r"6_util/mfu_pct"], False),
+    "CPU and GPU busy (%)": ([r"6_util/(gpu|process_cpu|system_cpu)_pct", r"7_gpu/\d+/util_pct"], False),
+    "GPU power (W)": ([r"7_gpu/(\d+/)?power_w"], True),
+    "GPU temperature (C) and SM clock (MHz)": ([r"7_gpu/(\d+/)?(temperature_c|sm_clock_mhz)"], True),
 }
 _CAPACITY_COLOR = "#dc0000"
+_PREDICTED_COLOR = "#6a3d9a"
 # tab10 without its red, which is the capacity's: parameters, gradients, optimizer state, activations, …
 _CATEGORY_COLORS = ("C0", "C1", "C2", "C4", "C8", "C5", "C7", "C9", "C6", "C3")
 _MIN_LABELLED_SPAN = 0.06  # a phase shorter than this share of the step gets its line, not its name
@@ -77,12 +77,15 @@ _IDLE_S = 5.0  # the flusher's own wake-up when nothing is handed over (it is wo
 _DRAIN_TIMEOUT_S = 60.0  # a flusher that has not written a log interval's events in this long is stuck
 
 
-def custom_scalar_layout() -> dict[str, dict[str, list[Any]]]:
-    """Layout for ``SummaryWriter.add_custom_scalars``: related curves share a chart (regex tags)."""
+def custom_scalar_layout(*, cuda: bool = True) -> dict[str, dict[str, list[Any]]]:
+    """Layout for ``SummaryWriter.add_custom_scalars``: related curves of one unit share a chart (regex
+    tags of :mod:`resource_guard.report.scalar_tags`); ``cuda=False`` leaves out the charts of figures
+    only a GPU has (they would stay empty)."""
     charts = {}
-    for title, tags in _CHARTS.items():
-        regexes = [f"^{TAG_PREFIX}{tag}(_max)?$" for tag in tags]
-        charts[title] = ["Multiline", regexes]
+    for title, (tags, cuda_only) in _CHARTS.items():
+        if cuda_only and not cuda:
+            continue
+        charts[title] = ["Multiline", [f"^{TAG_PREFIX}{tag}$" for tag in tags]]
     return {"resource_guard": charts}
 
 
@@ -144,8 +147,8 @@ class TBLog:
         if self._flusher is not None:
             self._flusher.wait()
 
-    def layout(self) -> None:
-        layout = custom_scalar_layout()
+    def layout(self, *, cuda: bool = True) -> None:
+        layout = custom_scalar_layout(cuda=cuda)
         self._submit(lambda w: w.add_custom_scalars(layout))
 
     def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
@@ -361,6 +364,8 @@ def memory_figure(
     timeline: Sequence[tuple[str, Sequence[int]]],
     capacity_bytes: int | None,
     *,
+    usable_bytes: int | None = None,
+    predicted_peak_bytes: int | None = None,
     title: str = "pre-flight memory over one training step",
     width: int = 960,
     height: int = 480,
@@ -369,8 +374,11 @@ def memory_figure(
     """The estimate's memory over one step as a matplotlib ``Figure`` of ``width`` × ``height`` pixels.
 
     Bytes by category stacked over the step's events, the phases (forward, backward, optimizer, …)
-    named along the x axis, MiB or GiB on the y axis, the peak marked, the capacity as a labelled red
-    line — or, when it is more than 4× the peak (a CPU's RAM), written in the legend as off scale.
+    named along the x axis, MiB or GiB on the y axis, the live tensors' peak marked, the capacity as a
+    labelled red line — or, when it is more than 4× the peak (a CPU's RAM), written in the legend as
+    off scale. The plan's figures, where given, with the names the plan's text uses: the usable line
+    (``usable_bytes``: the capacity less the headroom, dashed) and the predicted peak
+    (``predicted_peak_bytes``: as the device counts it, allocator rounding and context included).
     At least 400 × 240 pixels. ``SummaryWriter.add_figure(tag, figure)`` takes it as it is.
     """
     with _quiet_matplotlib():
@@ -389,7 +397,10 @@ def memory_figure(
         peak = float(totals.max()) if len(totals) else 0.0
         capacity = float(capacity_bytes or 0)
         show_capacity = 0 < capacity <= _OFF_SCALE * max(peak, 1.0)
-        unit, size = _unit(max(peak, capacity if show_capacity else 0.0))
+        usable = float(usable_bytes or 0) if show_capacity else 0.0
+        predicted = float(predicted_peak_bytes or 0)
+        top_line = max(peak, predicted, capacity if show_capacity else 0.0)
+        unit, size = _unit(top_line)
         x = np.arange(len(values))
         if len(values):
             names = list(categories)[: values.shape[1]]
@@ -402,18 +413,30 @@ def memory_figure(
                 lw=0,
             )
             top = int(np.argmax(totals))
-            ax.axhline(peak / size, color="black", lw=0.8, ls=":", label=f"peak {format_bytes(peak)}")
+            ax.axhline(
+                peak / size, color="black", lw=0.8, ls=":", label=f"live tensors' peak {plan_mib(peak)}"
+            )
             ax.plot([top], [peak / size], marker="v", color="black", ms=5)
             _phase_axis(ax, [name for name, _ in timeline])
         else:
             ax.set_xticks([])
-        if show_capacity:
+        if predicted:
             ax.axhline(
-                capacity / size, color=_CAPACITY_COLOR, lw=2, label=f"capacity {format_bytes(capacity)}"
+                predicted / size,
+                color=_PREDICTED_COLOR,
+                lw=1.2,
+                ls="-.",
+                label=f"predicted peak {plan_mib(predicted)}",
             )
+        if usable:
+            ax.axhline(
+                usable / size, color=_CAPACITY_COLOR, lw=1.2, ls="--", label=f"usable {plan_mib(usable)}"
+            )
+        if show_capacity:
+            ax.axhline(capacity / size, color=_CAPACITY_COLOR, lw=2, label=f"capacity {plan_mib(capacity)}")
         elif capacity_bytes:
-            ax.plot([], [], " ", label=f"capacity {format_bytes(capacity)} (off scale)")
-        ax.set_ylim(0, max(peak, capacity if show_capacity else 0.0, 1.0) / size * 1.08)
+            ax.plot([], [], " ", label=f"capacity {plan_mib(capacity)} (off scale)")
+        ax.set_ylim(0, max(top_line, 1.0) / size * 1.08)
         ax.set_xlim(0, max(len(values) - 1, 1))
         ax.set_ylabel(f"live tensor memory ({unit})")
         ax.set_xlabel("phase of the training step")
@@ -452,8 +475,10 @@ def figure_image(figure: Any) -> np.ndarray:
 
 def memory_picture(
     timeline: Sequence[tuple[str, Sequence[int]]],
-    capacity_bytes: int | None,
+    capacity_bytes: int | None = None,
     *,
+    usable_bytes: int | None = None,
+    predicted_peak_bytes: int | None = None,
     title: str = "pre-flight memory over one training step",
     width: int = 960,
     height: int = 480,
@@ -461,7 +486,14 @@ def memory_picture(
 ) -> np.ndarray:
     """:func:`memory_figure` rendered to an RGB HWC uint8 image (for TensorBoard and ``memory.png``)."""
     figure = memory_figure(
-        timeline, capacity_bytes, title=title, width=width, height=height, categories=categories
+        timeline,
+        capacity_bytes,
+        usable_bytes=usable_bytes,
+        predicted_peak_bytes=predicted_peak_bytes,
+        title=title,
+        width=width,
+        height=height,
+        categories=categories,
     )
     return figure_image(figure)
 

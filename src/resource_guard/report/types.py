@@ -13,7 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SEVERITIES", "FINDING_IDS", "PHASES", "Finding", "ProfileSummary", "RunStats", "available_cores"]
+__all__ = [
+    "SEVERITIES",
+    "FINDING_IDS",
+    "PHASES",
+    "Finding",
+    "ProfileSummary",
+    "RunStats",
+    "available_cores",
+    "plan_mib",
+]
 
 SEVERITIES = ("info", "warning", "critical")
 FINDING_IDS = (
@@ -238,6 +247,15 @@ class RunStats:
     retried after the cache was freed), ``reserved_bytes`` (the highest reserved) and
     ``reserved_gap_bytes`` (reserved minus allocated at that reading); ``expandable_segments`` whether
     ``PYTORCH_CUDA_ALLOC_CONF`` turned them on.
+
+    The step's memory, one story with the plan's (``guard.json``'s ``plan``, the plan's text, the memory
+    picture): ``capacity_bytes`` is the capacity the plan fitted the step into (a ``memory_limit``, or
+    the device's; without a plan, the device's memory or the host's RAM), ``usable_bytes`` its usable
+    part (capacity less the headroom) and ``predicted_peak_bytes`` the plan's predicted peak as the
+    device counts it (both ``None`` without a plan); ``estimated_peak_bytes`` the estimated allocated
+    peak (what ``torch.cuda.max_memory_allocated`` would read: the plan's on a planned run).
+    ``ram_bytes`` is the host's RAM where the measured peak is the process's RSS (on the CPU): that
+    peak's yardstick (:attr:`measured_capacity_bytes`), never the plan's capacity on tensor bytes.
     """
 
     steps: int = 0
@@ -254,6 +272,9 @@ class RunStats:
     peak_memory_source: str | None = None
     capacity_bytes: int | None = None
     estimated_peak_bytes: int | None = None
+    usable_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    ram_bytes: int | None = None
     gpu_util_percent: float | None = None
     process_cpu_percent: float | None = None
     device: str = "cpu"
@@ -297,6 +318,14 @@ class RunStats:
     # under torch.distributed, every rank's own figures gathered at close (one collective):
     # ``{"rank", "steps", "step_time_s", "data_wait_s", "phases"}``, for the straggler rule
     ranks: tuple[Mapping[str, Any], ...] = ()
+
+    @property
+    def measured_capacity_bytes(self) -> int | None:
+        """What the measured peak is held against: the host's RAM where it is the process's RSS, else
+        the capacity."""
+        if self.peak_memory_source == "rss" and self.ram_bytes:
+            return self.ram_bytes
+        return self.capacity_bytes
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -343,3 +372,9 @@ def available_cores() -> int | None:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count()
+
+
+def plan_mib(n_bytes: float) -> str:
+    """Bytes as the plan's text writes them (``182.8 MiB``): the one format of the step's memory in
+    the plan, the report and the picture."""
+    return f"{n_bytes / 2**20:,.1f} MiB"

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from resource_guard.report.breakdown import PHASE_LABELS
+from resource_guard.report.scalar_tags import LEGACY_TAGS, MEMORY_TAGS, PHASE_MS, STEP_MS
 from resource_guard.report.types import PHASES
 from resource_guard.tensorboard_plugin.runs import RunEvents, RunFiles, load_events, read_json
 
@@ -26,6 +27,10 @@ _SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
 def _ms(seconds: Any) -> float | None:
     return None if seconds is None else round(float(seconds) * 1000.0, 3)
+
+
+def _r3(value: float | None) -> float | None:
+    return None if value is None else round(float(value), 3)
 
 
 def _mib(n_bytes: Any) -> float | None:
@@ -119,7 +124,7 @@ def overview(run: RunFiles) -> dict[str, Any]:
             _mib(s.get("peak_memory_bytes")),
             "MiB",
         ),
-        ("pre-flight estimate", _mib(s.get("estimated_peak_bytes")), "MiB"),
+        ("estimated allocated peak", _mib(s.get("estimated_peak_bytes")), "MiB"),
         *_capacity_facts(s, guard_json.get("plan") or {}),
         ("device", s.get("device_name") or s.get("device"), ""),
         ("precision", s.get("precision"), ""),
@@ -137,14 +142,34 @@ def overview(run: RunFiles) -> dict[str, Any]:
 
 
 def _capacity_facts(s: Mapping[str, Any], planned: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
-    """The capacity the plan fitted the step into; the monitor's (host RAM on a CPU) where it differs."""
+    """The plan's memory figures under the plan's names (``guard.json``'s plan, else the report's: the
+    same figures); the host's RAM where the measured peak is the process RSS."""
+    plan = planned if planned.get("capacity_bytes") else s
     out: list[tuple[str, Any, str]] = []
-    if planned.get("capacity_bytes"):
-        out.append(("capacity (the plan's)", _mib(planned["capacity_bytes"]), "MiB"))
-    if s.get("capacity_bytes") and s.get("capacity_bytes") != planned.get("capacity_bytes"):
-        name = "host RAM" if s.get("peak_memory_source") == "rss" else "device memory"
-        out.append((name, _mib(s["capacity_bytes"]), "MiB"))
+    if plan.get("usable_bytes") or plan is planned:
+        out += [
+            ("predicted peak (the plan's)", _mib(plan.get("predicted_peak_bytes")), "MiB"),
+            ("usable (the plan's)", _mib(plan.get("usable_bytes")), "MiB"),
+            ("capacity (the plan's)", _mib(plan.get("capacity_bytes")), "MiB"),
+        ]
+    ram = s.get("ram_bytes")
+    if ram is None and s.get("peak_memory_source") == "rss":  # a report written before ram_bytes
+        ram = s.get("capacity_bytes") if s.get("capacity_bytes") != planned.get("capacity_bytes") else None
+    if ram:
+        out.append(("host RAM", _mib(ram), "MiB"))
+    elif not out and s.get("capacity_bytes"):
+        out.append(("device memory", _mib(s["capacity_bytes"]), "MiB"))
     return out
+
+
+def _points(events: RunEvents, tag: str) -> list[tuple[int, float]]:
+    """A scalar's points under its tag (:mod:`resource_guard.report.scalar_tags`); for a run written
+    before those tags, its former tag's, in the new tag's unit."""
+    points = events.scalars.get(tag)
+    if points:
+        return list(points)
+    old, scale = LEGACY_TAGS.get(tag, (None, 1.0))
+    return [(step, value * scale) for step, value in events.scalars.get(old or "", ())]
 
 
 def _round(value: Any) -> float | None:
@@ -156,15 +181,15 @@ def step_time(run: RunFiles, events: RunEvents | None = None) -> dict[str, Any]:
     the run's mean share table (``report.json``: the first step left out)."""
     events = load_events(run) if events is None else events
     report = read_json(run.report_path) or {}
-    by_phase = {p: dict(events.scalars.get(f"phase/{p}_s", ())) for p in PHASES}
+    by_phase = {p: dict(_points(events, PHASE_MS + p)) for p in PHASES}  # ms per step
     steps = sorted({step for points in by_phase.values() for step in points})
     series = [p for p in PHASES if any(v > 0 for v in by_phase[p].values())]
-    step_s = dict(events.scalars.get("time/step_s", ()))
+    step_ms = dict(_points(events, STEP_MS))
     bars = [
         {
             "step": step,
-            "step_ms": _ms(step_s.get(step)),
-            "phases_ms": {p: _ms(by_phase[p].get(step, 0.0)) for p in series},
+            "step_ms": _r3(step_ms.get(step)),
+            "phases_ms": {p: _r3(by_phase[p].get(step, 0.0)) for p in series},
         }
         for step in steps
     ]
@@ -198,19 +223,16 @@ def memory(run: RunFiles, events: RunEvents | None = None) -> dict[str, Any]:
     guard_json = read_json(run.guard_path) or {}
     s: Mapping[str, Any] = report.get("summary") or {}
     planned: Mapping[str, Any] = guard_json.get("plan") or {}
-    names = {
-        "memory/allocated_bytes": "allocated",
-        "memory/reserved_bytes": "reserved",
-        "memory/peak_bytes": "interval peak (RSS on a CPU)"
-        if s.get("peak_memory_source") == "rss"
-        else "peak",
-        "host/process_rss_bytes": "process RSS",
-    }
     series = [
-        {"tag": f"resource_guard/{tag}", "label": label, "points": [[st, _mib(v)] for st, v in points]}
-        for tag, label in names.items()
-        if (points := events.scalars.get(tag))
+        {"tag": f"resource_guard/{tag}", "label": label, "points": [[st, round(v, 2)] for st, v in points]}
+        for tag, label in MEMORY_TAGS.items()
+        if (points := _points(events, tag))
     ]
+    # the plan's figures: guard.json's plan, else the report's (the Lightning and Trainer doors write
+    # the same figures there: one memory story)
+    planned = dict(planned) or {
+        k: s[k] for k in ("capacity_bytes", "usable_bytes", "predicted_peak_bytes") if s.get("usable_bytes")
+    }
     if planned.get("capacity_bytes"):
         capacity, source = planned["capacity_bytes"], "the plan's"
     else:

@@ -195,7 +195,7 @@ async function renderMemory(main) {
   const lines = [
     ["capacity", data.capacity_mib, `capacity ${fmt(data.capacity_mib)} MiB (${data.capacity_source})`],
     ["usable", data.usable_mib, `usable ${fmt(data.usable_mib)} MiB`],
-    ["estimate", data.estimate_mib, `pre-flight estimate ${fmt(data.estimate_mib)} MiB`],
+    ["estimate", data.estimate_mib, `${data.estimate_source === "plan" ? "predicted peak" : "pre-flight estimate"} ${fmt(data.estimate_mib)} MiB`],
   ].filter((l) => l[1] !== null && l[1] !== undefined);
   const yMax = Math.max(1e-9, ...values, ...lines.map((l) => l[1])) * 1.08;
   const steps = [...new Set(data.series.flatMap((s) => s.points.map((p) => p[0])))].sort((a, b) => a - b);
