@@ -24,6 +24,8 @@ from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceG
 from resource_guard.frontdoors.lightning import apply as ap
 from resource_guard.frontdoors.lightning import internals as li
 from resource_guard.frontdoors.lightning.callback import ResourceGuard
+from resource_guard.frontdoors.lightning.plan import plan_locally
+from resource_guard.frontdoors.run import agree
 from resource_guard.observe.profiling import ProfileWindow
 
 DIM = 16
@@ -437,7 +439,7 @@ def test_several_optimizers_under_automatic_optimization_plan_the_one_the_loop_s
         torch.optim.SGD(model.blocks.parameters()),
         torch.optim.SGD(model.head.parameters()),
     ]
-    guard._plan_locally(t, model, [torch.zeros(2, DIM), torch.zeros(2, 1)], 2, None)
+    plan_locally(guard, t, model, [torch.zeros(2, DIM), torch.zeros(2, 1)], 2, None)
     assert calls[-1]["optimizer"] is t.strategy.optimizers[0]
 
 
@@ -719,9 +721,10 @@ def test_agreement_picks_the_smallest_micro_batch_and_keeps_the_target(per_rank,
     rows = [[0, m, per_rank // m, int(c), 0, target] for m, c in zip(micros, ckpts)]
     me = data.draw(st.integers(0, world - 1))
     mine = ap.Decisions(micros[me], per_rank // micros[me], "32-true", ckpts[me], target, world)
-    fake = types.SimpleNamespace(strategy=FakeStrategy(rows), global_rank=me)
-    chosen, error, source = ap.agree(fake, ap.Outcome(decisions=mine))
-    assert error is None
+    fake = types.SimpleNamespace(strategy=FakeStrategy(rows), global_rank=me, world_size=world)
+    agreed = agree(ap.decisions_row(mine), None, ap.StrategyCollective(fake), key=ap.most_conservative)
+    assert agreed.error is None and agreed.row is not None
+    chosen, source = ap.decisions_from_row(agreed.row, world), agreed.source_rank
     assert chosen.micro_batch_size == min(micros) == micros[source]
     assert chosen.micro_batch_size * chosen.accumulation_steps * chosen.world_size == target
     if ckpts[source] is False:
@@ -734,10 +737,11 @@ def test_agreement_gives_every_rank_the_failing_ranks_error():
     report = {"needed": 123}
     rows = [[0, 8, 1, 0, 0, 16], [1, 0, 0, 0, 0, 0]]
     payloads = {1: pickle.dumps(("nothing fits rank 1", report))}
-    fake = types.SimpleNamespace(strategy=FakeStrategy(rows, payloads), global_rank=0)
-    ok = ap.Outcome(decisions=ap.Decisions(8, 1, "32-true", False, 16, 2))
-    chosen, error, source = ap.agree(fake, ok)
-    assert chosen is None and source == 1
+    fake = types.SimpleNamespace(strategy=FakeStrategy(rows, payloads), global_rank=0, world_size=2)
+    ok = ap.decisions_row(ap.Decisions(8, 1, "32-true", False, 16, 2))
+    agreed = agree(ok, None, ap.StrategyCollective(fake), key=ap.most_conservative)
+    error, source = agreed.error, agreed.source_rank
+    assert agreed.row is None and source == 1
     assert isinstance(error, DoesNotFitError) and error.report == report
     assert str(error) == "pre-flight failed on rank 1 (every rank stops): nothing fits rank 1"
 

@@ -404,8 +404,8 @@ def test_step_hooks_fire_and_the_monitor_counts_batches_not_optimizer_steps(tmp_
 
     def spy(*args, **kwargs):
         original(*args, **kwargs)
-        if guard._monitor is not None:
-            monitored.append(guard._monitor.steps)
+        if guard._run.monitor is not None:
+            monitored.append(guard._run.monitor.steps)
 
     guard.on_train_batch_end = spy  # type: ignore[method-assign]
     fit.fit(model)

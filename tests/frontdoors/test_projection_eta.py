@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from resource_guard.frontdoors.guard.context import guard
-from resource_guard.frontdoors.lightning.callback import ResourceGuard, _total_batches
+from resource_guard.frontdoors.lightning.callback import ResourceGuard
+from resource_guard.frontdoors.lightning.plan import total_batches as _total_batches
 
 
 def _loader(rows: int = 32, batch: int = 8) -> DataLoader:

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import pickle
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +20,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import DataLoader
 
-from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardError
+from resource_guard.errors import ConfigurationError
 from resource_guard.frontdoors.lightning.hooks import call_training_step
 from resource_guard.frontdoors.lightning.internals import (
     before_batch_transfer,
@@ -38,8 +37,10 @@ __all__ = [
     "Applied",
     "Decisions",
     "Fixed",
-    "Outcome",
-    "agree",
+    "StrategyCollective",
+    "decisions_from_row",
+    "decisions_row",
+    "most_conservative",
     "apply_decisions",
     "detached_trainer",
     "first_batch",
@@ -244,88 +245,42 @@ training_step_loss = _TrainingStepLoss()
 
 
 # ---------------------------------------------------------------------------------------------------
-# agreement across ranks
-
-_OK, _DOES_NOT_FIT, _CONFIG, _OTHER = 0, 1, 2, 3
-_ROW = 6  # code, micro, accumulation, checkpointing, precision index, target
+# agreement across ranks (one implementation for every door: frontdoors/run.py)
 
 
-@dataclass
-class Outcome:
-    """One rank's pre-flight result: decisions, or the error that stopped it."""
+class StrategyCollective:
+    """:class:`~resource_guard.frontdoors.run.Collective` over the Trainer's strategy (its own
+    collectives, on its root device: NCCL, gloo or XLA alike)."""
 
-    decisions: Decisions | None = None
-    error: BaseException | None = None
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self._strategy = trainer.strategy
+        self.rank, self.world_size = trainer.global_rank, trainer.world_size
 
+    def all_gather(self, row: list[int]) -> list[list[int]]:
+        tensor = torch.tensor(row, dtype=torch.int64, device=self._strategy.root_device)
+        return self._strategy.all_gather(tensor).reshape(-1, len(row)).cpu().tolist()
 
-def _code(error: BaseException | None) -> int:
-    if error is None:
-        return _OK
-    if isinstance(error, DoesNotFitError):
-        return _DOES_NOT_FIT
-    if isinstance(error, ConfigurationError):
-        return _CONFIG
-    return _OTHER
+    def broadcast(self, payload: bytes | None, src: int) -> bytes | None:
+        return self._strategy.broadcast(payload, src=src)
 
 
-def agree(trainer: pl.Trainer, local: Outcome) -> tuple[Decisions | None, BaseException | None, int]:
-    """Agree on one configuration across ranks (a collective; every rank must call it).
+ROW = 5  # the decisions as agreed: micro-batch, accumulation, checkpointing, precision index, target
 
-    The most conservative plan wins: the smallest micro-batch (then checkpointing on, then the lowest
-    rank). If any rank failed, every rank gets the same error, built from the lowest failing rank's
-    message (and report). Returns ``(decisions, error, rank_the_result_came_from)``.
-    """
-    d = local.decisions
-    code = _code(local.error) if local.error is not None or d is not None else _OTHER
-    row = [code, 0, 0, 0, 0, 0]
-    if d is not None and code == _OK:
-        row = [
-            _OK,
-            d.micro_batch_size,
-            d.accumulation_steps,
-            int(d.checkpointing),
-            _PRECISION_NAMES.index(d.precision),
-            d.target_batch_size,
-        ]
-    strategy = trainer.strategy
-    tensor = torch.tensor(row, dtype=torch.int64, device=strategy.root_device)
-    rows = strategy.all_gather(tensor).reshape(-1, _ROW).cpu().tolist()
-    failing = [r for r, values in enumerate(rows) if values[0] != _OK]
-    world = len(rows)
-    if failing and world == 1 and local.error is not None:
-        return None, local.error, 0  # one process: the error as raised, with its own traceback
-    if failing:
-        src = failing[0]
-        payload: bytes | None = None
-        if trainer.global_rank == src:
-            error = local.error or ResourceGuardError("pre-flight produced no plan")
-            report = getattr(error, "report", None)
-            try:
-                payload = pickle.dumps((str(error), report))
-            except Exception:  # an unpicklable report: the message alone
-                payload = pickle.dumps((str(error), None))
-        payload = strategy.broadcast(payload, src=src)
-        message, report = pickle.loads(payload) if payload is not None else ("pre-flight failed", None)
-        if world > 1:
-            message = f"pre-flight failed on rank {src} (every rank stops): {message}"
-        kind = rows[src][0]
-        shared: BaseException
-        if kind == _DOES_NOT_FIT:
-            shared = DoesNotFitError(message, report)
-        elif kind == _CONFIG:
-            shared = ConfigurationError(message)
-        else:
-            shared = ResourceGuardError(message)
-        if trainer.global_rank == src and local.error is not None:
-            shared.__cause__ = local.error
-        return None, shared, src
-    best = min(range(world), key=lambda r: (rows[r][1], -rows[r][3], r))
-    _, micro, acc, ckpt, prec, target = rows[best]
-    assert d is not None  # every rank is OK here, this one included
-    chosen = Decisions(
-        int(micro), int(acc), _PRECISION_NAMES[int(prec)], bool(ckpt), int(target), d.world_size
-    )
-    return chosen, None, best
+
+def decisions_row(d: Decisions) -> list[int]:
+    """``d`` as this rank's row of the agreement (:func:`resource_guard.frontdoors.run.agree`)."""
+    precision = _PRECISION_NAMES.index(d.precision)
+    return [d.micro_batch_size, d.accumulation_steps, int(d.checkpointing), precision, d.target_batch_size]
+
+
+def most_conservative(row: Sequence[int]) -> tuple[int, int]:
+    """The agreement's order: the smallest micro-batch wins, then checkpointing on (then the lowest rank)."""
+    return row[0], -row[2]
+
+
+def decisions_from_row(row: Sequence[int], world_size: int) -> Decisions:
+    micro, acc, ckpt, prec, target = row
+    return Decisions(micro, acc, _PRECISION_NAMES[prec], bool(ckpt), target, world_size)
 
 
 # ---------------------------------------------------------------------------------------------------

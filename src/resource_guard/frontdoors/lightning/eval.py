@@ -26,11 +26,9 @@ step does not fit even at one row, every rank raises the same
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.seed import isolate_rng
 
@@ -40,12 +38,13 @@ from resource_guard.frontdoors.eval_preflight import EvalCheck, EvalPreflights
 from resource_guard.frontdoors.lightning import apply as ap
 from resource_guard.frontdoors.lightning.hooks import call_eval_step
 from resource_guard.frontdoors.lightning.internals import before_batch_transfer
+from resource_guard.frontdoors.run import agree
 from resource_guard.step.precision import PRECISIONS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["LOOPS", "gradients_kept_in_fit", "preflight_loops"]
+__all__ = ["LOOPS", "gradients_kept_in_fit", "preflight_loops", "preflight_stage"]
 
 LOOPS = {
     "validate": ("validation", "validation_step"),
@@ -175,7 +174,8 @@ def preflight_loops(
                     raise DoesNotFitError(check.message(), check)
     except Exception as failure:  # every rank must reach the collective below
         error = failure
-    error = agree_on_error(trainer, error)
+    # every rank raises the lowest failing rank's error (one agreement for every door: frontdoors/run.py)
+    error = agree([], error, ap.StrategyCollective(trainer)).error
     not_fit = lambda e: isinstance(e, DoesNotFitError)  # noqa: E731
     if not_fit(error) and fail_fast:
         raise error  # type: ignore[misc]
@@ -185,34 +185,20 @@ def preflight_loops(
     return found, splits
 
 
-def agree_on_error(trainer: pl.Trainer, error: BaseException | None) -> BaseException | None:
-    """The error every rank raises: the lowest failing rank's (a collective under DDP).
+def preflight_stage(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    stage: str,
+    checks: EvalPreflights,
+    **settings: Any,
+) -> tuple[list[str], dict[int, tuple[int, int]]]:
+    """The loops of ``stage`` pre-flighted (:func:`preflight_loops`, ``settings`` its keywords) and the
+    loaders whose batches do not fit split into micro-batches that do: the lines to report, and the
+    split sizes by loader index (fit's loop has not built its iterator yet: they apply when it does)."""
+    from resource_guard.frontdoors.lightning.eval_split import apply_splits, split_sizes
 
-    A :class:`DoesNotFitError` keeps its report; any other failure of the pre-flight is left to the
-    caller, which warns (the pre-flight never stops a run for its own failure).
-    """
-    strategy = trainer.strategy
-    if trainer.world_size == 1:
-        return error
-    flag = torch.tensor([0 if error is None else 1], device=strategy.root_device)
-    flags = strategy.all_gather(flag).reshape(-1).cpu().tolist()
-    failing = [r for r, f in enumerate(flags) if f]
-    if not failing:
-        return None
-    src = failing[0]
-    payload = None
-    if trainer.global_rank == src:
-        assert error is not None
-        report = getattr(error, "report", None)
-        try:
-            payload = pickle.dumps((type(error) is DoesNotFitError, str(error), report))
-        except Exception:  # an unpicklable report: the message alone
-            payload = pickle.dumps((isinstance(error, DoesNotFitError), str(error), None))
-    received = strategy.broadcast(payload, src=src)
-    assert received is not None  # the source rank always sends
-    not_fit, message, report = pickle.loads(received)
-    message = f"pre-flight failed on rank {src} (every rank stops): {message}"
-    shared: BaseException = DoesNotFitError(message, report) if not_fit else RuntimeError(message)
-    if trainer.global_rank == src and error is not None:
-        shared.__cause__ = error
-    return shared
+    found, splits = preflight_loops(trainer, pl_module, stage, checks, **settings)
+    micro, notes = split_sizes(splits)
+    fitting = trainer.state.fn == "fit"
+    apply_splits(trainer, stage, micro, reset=not fitting)
+    return [c.line() for c in found] + notes, micro
