@@ -291,3 +291,26 @@ def test_per_operator_rows_grow_with_the_batch_and_shrink_with_a_faster_gpu():
     for name in ("slow", "fast"):
         assert large[name].step_s > 2 * small[name].step_s  # compute-bound: four times the FLOPs
         assert large[name].hours < small[name].hours  # a quarter of the steps
+
+
+def test_an_uncalibrated_cpu_row_uses_the_planners_cpu_model(monkeypatch):
+    import resource_guard.planning.projection as projection_module
+    from resource_guard.planning.op_time import CpuCalibration, OpTimeModel
+
+    points = ((1e5, 1e10), (1e9, 1e11))
+    cal = CpuCalibration(
+        matmul_flops_per_s={"torch.float32": points},
+        copy_bytes_per_s={"torch.float32": ((1e3, 1e10), (1e8, 5e9))},
+        op_overhead_s=5e-6,
+        view_overhead_s=1e-6,
+        micro_step_overhead_s=5e-5,
+    )  # injected constants: nothing measured
+    monkeypatch.setattr(projection_module, "OpTimeModel", lambda: OpTimeModel(cal))
+    cpu = DeviceSpec(name="cpu", kind="cpu", memory_bytes=8 * GiB)
+    cat = Catalog([_gpu("g"), cpu])
+    proj = _project(cat, devices=["g", cpu], precision="32-true")
+    rows = {r.device: r for r in proj.rows}
+    expected = OpTimeModel(cal).predict(TokenModel(), torch.optim.AdamW, _tokens(), precision="32-true")
+    assert rows["cpu"].fits and not rows["cpu"].calibrated and rows["cpu"].efficiency is None
+    assert rows["cpu"].step_s == pytest.approx(expected.step_s(rows["cpu"].plan["accumulation_steps"]))
+    assert proj.step_model == "per-operator"

@@ -37,7 +37,7 @@ from resource_guard.devices import Catalog, DeviceSpec, format_bytes, load_catal
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
 from resource_guard.planning.checkpointing import find_checkpoint_blocks
 from resource_guard.planning.gpu_time import GpuOpModel, gpu_step_time
-from resource_guard.planning.op_time import StepOps
+from resource_guard.planning.op_time import OpTimeModel, StepOps
 from resource_guard.planning.planner import Plan, choose_precision, plan
 from resource_guard.planning.projection_result import (
     Projection,
@@ -329,7 +329,7 @@ def _row(
         cost_usd=None if price is None else hours * price * gpus,
         calibrated=achieved is not None or calibrated_eff is not None,
         bound=t.bound,
-        efficiency=t.efficiency,
+        efficiency=t.efficiency or None,
         time=t,
         reason="" if nodes == 1 else link.describe(spec),
         **base,
@@ -337,8 +337,10 @@ def _row(
 
 
 class _OpTimes:
-    """The per-operator model's step on a GPU for a plan; one trace per micro-batch, precision,
-    checkpointing and GPU generation (the plans of a projection share few of them)."""
+    """The planner's per-operator model's step for a plan: on a catalog GPU
+    (:class:`~resource_guard.planning.gpu_time.GpuOpModel`), and on this machine's CPU
+    (:class:`~resource_guard.planning.op_time.OpTimeModel`, its calibration measured once per process);
+    one trace per micro-batch, precision, checkpointing and GPU generation."""
 
     def __init__(self, model: nn.Module, optimizer: Any, batch: Any, loss_fn: LossFn | None) -> None:
         self.model, self.optimizer, self.batch, self.loss_fn = model, optimizer, batch, loss_fn
@@ -351,6 +353,8 @@ class _OpTimes:
     ) -> StepTime | None:
         """The step on ``spec`` (``None``: not a GPU the model covers, e.g. no bandwidth in the catalog);
         ``step_flops``: the step's model FLOPs on one rank, as the whole-step model counts them."""
+        if spec.kind == "cpu":
+            return self._cpu_step(p, step_flops)
         if spec.kind not in _GPU_KINDS:
             return None
         try:
@@ -380,6 +384,30 @@ class _OpTimes:
             comm_overlap="fsdp" if sharded else "ddp",
             units=self.units if sharded else max(buckets, 1),
             flops=step_flops,
+        )
+
+    def _cpu_step(self, p: Plan, step_flops: float) -> StepTime:
+        every = int(getattr(p, "checkpoint_every", 0) or 0)
+        sample = resize_batch(self.batch, p.micro_batch_size)
+        pred = OpTimeModel().predict(
+            self.model, self.optimizer, sample, self.loss_fn, precision=p.precision, checkpoint_every=every
+        )
+        self.used = True
+        k = p.accumulation_steps
+        by_class = pred.micro_step_by_class_s
+        compute = k * sum(by_class.get(c, 0.0) for c in ("matmul", "conv", "attention"))
+        host = k * by_class.get("framework", 0.0)
+        step = pred.step_s(k)
+        return StepTime(
+            step_s=step,
+            compute_s=compute,
+            memory_s=step - compute - host,
+            comm_s=0.0,
+            flops=step_flops,
+            bytes_moved=float(k * pred.bytes_per_micro_step),
+            comm_bytes=0.0,
+            efficiency=0.0,  # no catalog peak for a CPU
+            launch_s=host,
         )
 
 
