@@ -42,8 +42,13 @@ Run:  python benchmarks/monitor_overhead.py --in-process [--rounds 15] [--steps 
 ``--close`` instead prints what closing the monitor costs at the end of a run, door by door (issue #40:
 under a second for a small run): ``guard`` on the demo (``resource-guard demo``'s TinyGPT, 12 steps), the
 Lightning callback on a small ``Trainer.fit`` (an MLP, 40 steps) and the Trainer callback on a tiny GPT-2
-(20 steps), each with the default profiler window. The time is ``RunMonitor.close`` as a whole, and the
-part before the report that the report itself shows (its "monitor close" row, with its slower parts).
+(20 steps), each with the default profiler window, ``--close-reps`` runs each (default 3, medians). The
+table gives ``RunMonitor.close`` as a whole (wall and the closing thread's CPU time), its parts (the
+profiler's events read into records, their summary, the trace file, the wait for the memory picture,
+the rest), the memory picture's drawing on its own thread from the start, and the loop's wait for it
+before the profiler window (see :func:`close_times`).
+
+Run:  python benchmarks/monitor_overhead.py --close [--close-reps 3] [--json PATH]
 
 Wall time is what a user feels, and on a shared machine it is also what other processes disturb most;
 the training thread's CPU time (``time.thread_time``) leaves out the time the thread was not running, so
@@ -359,23 +364,72 @@ def in_run(steps: int, block: int, part: str, warmup: int = 200) -> dict[str, fl
     return out
 
 
-def close_times() -> dict[str, dict[str, Any]]:
-    """Each door's ``RunMonitor.close`` on a small run (see the module docstring), printed."""
+def close_times(reps: int = 1) -> dict[str, dict[str, Any]]:
+    """Each door's ``RunMonitor.close`` on a small run (see the module docstring), as a table of its parts.
+
+    The parts are timed here from outside (a wrapper around each, this benchmark only): reading the
+    profiler's events into records, the summary of those records, the trace file (torch writing the
+    JSON, then the wait for its compression, which runs on a thread meanwhile), the wait for the
+    memory picture, and the rest of the close (the report, its files, TensorBoard); and the closing
+    thread's CPU time (``close CPU``: what the close costs on an idle machine, where a loaded one
+    stretches the wall time; the trace's compression runs on a thread of its own). Also the memory
+    picture's own drawing on its thread and the loop's wait for it before the profiler window (both
+    outside the close). ``reps`` > 1 repeats each door and prints the median of each column.
+    """
+    from resource_guard.observe import outputs, profiling
     from resource_guard.observe.monitor import RunMonitor
 
-    closes: list[float] = []
-    original = RunMonitor.close
+    parts: dict[str, float] = {}
+    seen: dict[str, Any] = {}
 
-    def timed_close(self: RunMonitor, exc: BaseException | None = None) -> Any:
-        first, begun = self.close_s is None, time.perf_counter()
+    def timed(owner: Any, name: str, label: str) -> Any:
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            begun = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                parts[label] = parts.get(label, 0.0) + time.perf_counter() - begun
+
+        setattr(owner, name, wrapper)
+        return original
+
+    class Job(outputs.PictureJob):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            seen["job"] = self
+
+    close = RunMonitor.close
+
+    def closing(self: RunMonitor, exc: BaseException | None = None) -> Any:
+        seen["monitor"] = self
+        begun, cpu = time.perf_counter(), time.thread_time()
         try:
-            return original(self, exc)
+            return close(self, exc)
         finally:
-            if first and self.close_s is not None:  # the close that did the work, not a repeated call
-                closes.append(time.perf_counter() - begun)
+            parts["close"] = parts.get("close", 0.0) + time.perf_counter() - begun
+            parts["close CPU"] = parts.get("close CPU", 0.0) + time.thread_time() - cpu
 
-    RunMonitor.close = timed_close  # type: ignore[method-assign]
+    RunMonitor.close = closing  # type: ignore[method-assign]
+    originals = [
+        (RunMonitor, "close", close),
+        (profiling, "_records", timed(profiling, "_records", "events read")),
+        (profiling, "summarize_events", timed(profiling, "summarize_events", "summary")),
+        (profiling.StepProfiler, "_export", timed(profiling.StepProfiler, "_export", "trace file")),
+        (profiling._TraceFile, "finish", timed(profiling._TraceFile, "finish", "trace file")),
+        (outputs.MonitorOutputs, "_picture", timed(outputs.MonitorOutputs, "_picture", "picture wait")),
+        (outputs, "PictureJob", outputs.PictureJob),
+    ]
+    outputs.PictureJob = Job  # type: ignore[misc]
+    columns = ("close", "close CPU", "events read", "summary", "trace file", "picture wait", "rest")
     results: dict[str, dict[str, Any]] = {}
+    print(f"close of each door, seconds ({reps} run(s) each, median); load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"  {'door':<14}{'steps':>6}"
+        + "".join(f"{c:>13}" for c in columns)
+        + f"{'drawn (thread)':>16}{'loop wait':>11}"
+    )
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for door, run in (
@@ -383,19 +437,36 @@ def close_times() -> dict[str, dict[str, Any]]:
                 ("Lightning", _lightning_small),
                 ("Trainer", _trainer),
             ):
-                closes.clear()
-                report = run(f"{tmp}/{len(results)}")
+                rows: list[dict[str, float]] = []
+                report = None
+                for rep in range(reps):
+                    parts.clear()
+                    seen.clear()
+                    report = run(f"{tmp}/{door[:5]}{rep}")
+                    if report is None:
+                        break
+                    row = {c: parts.get(c, 0.0) for c in columns[:-1]}
+                    row["rest"] = row["close"] - sum(row[c] for c in columns[2:-1])
+                    job = seen.get("job")
+                    row["drawn"] = job.wall_s if job is not None else math.nan
+                    row["loop wait"] = getattr(seen.get("monitor"), "_picture_wait_s", math.nan)
+                    row["report close_s"] = (
+                        report.stats.close_s if report.stats.close_s is not None else math.nan
+                    )
+                    rows.append(row)
                 if report is None:
-                    print(f"{door:<14} skipped (not installed)")
+                    print(f"  {door:<14} skipped (not installed)")
                     continue
-                s = report.stats
-                parts = {k: round(v, 3) for k, v in (s.close_parts or {}).items()}
-                results[door] = {"close_s": closes[-1] if closes else None, "before_report_s": s.close_s,
-                                 "parts": parts, "steps": s.steps}  # fmt: skip
-                whole = f"{closes[-1]:.2f} s" if closes else "-"
-                print(f"{door:<14} close {whole} ({s.steps} steps); before the report {s.close_s} s {parts}")
+                med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+                results[door] = {"steps": report.stats.steps, "median_s": med, "runs": rows,
+                                 "report_close_parts": dict(report.stats.close_parts or {})}  # fmt: skip
+                print(
+                    f"  {door:<14}{report.stats.steps:>6}" + "".join(f"{med[c]:>13.3f}" for c in columns)
+                    + f"{med['drawn']:>16.3f}{med['loop wait']:>11.3f}"
+                )  # fmt: skip
     finally:
-        RunMonitor.close = original  # type: ignore[method-assign]
+        for owner, name, original in originals:
+            setattr(owner, name, original)
     return results
 
 
@@ -557,6 +628,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("lightning", "plain"), default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--close", action="store_true", help="instead: each door's close time")
+    parser.add_argument("--close-reps", type=int, default=3, help="--close: runs of each door (median)")
     parser.add_argument("--in-process", action="store_true", help="instead: the in-process comparison")
     parser.add_argument("--hooks", action="store_true", help="instead: the unchanged loop's grad hooks")
     parser.add_argument("--reps", type=int, default=5, help="whole runs: repetitions (default 5)")
@@ -585,7 +657,7 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     if args.close:
-        results = close_times()
+        results = close_times(args.close_reps)
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
         return

@@ -4,6 +4,8 @@ is read only as far as the report needs it (call sites of the ops it can name) w
 
 from __future__ import annotations
 
+import gzip
+import json
 import threading
 import time
 import warnings
@@ -175,3 +177,37 @@ def test_the_sites_read_for_the_wanted_ops_are_those_of_the_whole_tree() -> None
     by_start = {(name, (start - origin) / 1e3): site for (name, start), site in everything.items()}
     for key, site in with_site.items():
         assert by_start[key] == site
+
+
+def test_the_trace_is_compressed_on_a_thread_and_its_failure_still_reaches_the_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def window() -> StepProfiler:
+        prof = StepProfiler(ProfileWindow(skip_first=0, wait=0, warmup=1, active=1), tmp_path, trace_name="t")
+        prof.start()
+        for _ in range(2):
+            torch.randn(8, 8).matmul(torch.randn(8, 8)).sum().item()
+            prof.step()
+        return prof
+
+    threads: list[str] = []
+    real_open = profiling.gzip.open
+
+    def opening(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(profiling.gzip, "open", opening)
+    summary = window().summarize()
+    assert summary is not None and summary.trace_path == str(tmp_path / "t.pt.trace.json.gz")
+    assert threads and threads[0] != threading.main_thread().name
+    with gzip.open(summary.trace_path) as f:
+        assert "traceEvents" in json.load(f)
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(profiling.gzip, "open", failing)
+    with pytest.raises(OSError, match="disk full"):
+        window().summarize()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pt.trace.json.gz"]  # no scratch left behind

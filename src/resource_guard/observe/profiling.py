@@ -27,7 +27,8 @@ import shutil
 import statistics
 import sys
 import tempfile
-from collections.abc import Collection, Iterable
+import threading
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -637,36 +638,87 @@ class StepProfiler:
         prof, self._captured = self._captured, None
         if prof is None:
             return None
-        records = _records(prof)
-        if self._cut_short:  # the last ProfilerStep span runs from the last step() to stop(): no step
-            last = max((i for i, r in enumerate(records) if r.name.startswith("ProfilerStep")), default=None)
-            records = [r for i, r in enumerate(records) if i != last]
-        steps = sum(1 for r in records if r.name.startswith("ProfilerStep"))
         notes: list[str] = []
-        if steps < self.window.active:
-            notes.append(f"the run ended inside the profiler window: {steps} of {self.window.active} steps")
-        summary = summarize_events(records, steps)
-        trace = self._export(prof, notes)
-        return dataclasses.replace(summary, trace_path=trace, notes=tuple(notes))
+        # the trace is written first (torch holds the interpreter lock for it); its compression runs on a
+        # thread while the events are read (zlib lets go of the lock)
+        trace = self._export(prof)
+        try:
+            with _gc_paused():  # tens of thousands of short-lived tuples: no full collection in between
+                records = _records(prof)
+                if self._cut_short:  # the last ProfilerStep span runs from the last step() to stop()
+                    last = max(
+                        (i for i, r in enumerate(records) if r.name.startswith("ProfilerStep")), default=None
+                    )
+                    records = [r for i, r in enumerate(records) if i != last]
+                steps = sum(1 for r in records if r.name.startswith("ProfilerStep"))
+                if steps < self.window.active:
+                    notes.append(
+                        f"the run ended inside the profiler window: {steps} of {self.window.active} steps"
+                    )
+                summary = summarize_events(records, steps)
+        finally:
+            path = None if trace is None else trace.finish(notes)
+        return dataclasses.replace(summary, trace_path=path, notes=tuple(notes))
 
-    def _export(self, prof: Any, notes: list[str]) -> str | None:
+    def _export(self, prof: Any) -> _TraceFile | None:
+        """Write the window's Chrome trace as JSON and start compressing it (see :class:`_TraceFile`)."""
         if self._trace_dir is None:
             return None
         self._trace_dir.mkdir(parents=True, exist_ok=True)
         path = self._trace_dir / f"{self._trace_name}.pt.trace.json.gz"
-        # torch gzips a ".gz" path line by line at level 9 (0.6 s for a 15,000-event window): the JSON is
-        # written plainly and compressed here at level 1 in 1 MiB blocks (a few times faster)
-        with tempfile.TemporaryDirectory(dir=self._trace_dir) as scratch:
-            plain = Path(scratch) / "trace.json"
+        return _TraceFile(prof, path, self.window.max_trace_bytes)
+
+
+class _TraceFile:
+    """The window's gzipped Chrome trace at ``path``: torch writes the JSON (a ".gz" path it would gzip
+    line by line at level 9: 0.6 s for a 15,000-event window); it is compressed here at level 1 in 1 MiB
+    blocks (a few times faster), on a thread of its own, while the caller goes on; :meth:`finish` waits
+    for it and deletes a file larger than ``max_bytes``."""
+
+    def __init__(self, prof: Any, path: Path, max_bytes: int) -> None:
+        self.path, self.max_bytes = path, max_bytes
+        self._scratch = tempfile.TemporaryDirectory(dir=path.parent)
+        self._error: BaseException | None = None
+        try:
+            plain = Path(self._scratch.name) / "trace.json"
             prof.export_chrome_trace(str(plain))
-            with plain.open("rb") as source, gzip.open(path, "wb", compresslevel=1) as target:
+        except BaseException:
+            self._scratch.cleanup()
+            raise
+        self._thread = threading.Thread(target=self._compress, args=(plain,), daemon=True)
+        self._thread.start()
+
+    def _compress(self, plain: Path) -> None:
+        try:
+            with plain.open("rb") as source, gzip.open(self.path, "wb", compresslevel=1) as target:
                 shutil.copyfileobj(source, target, 1 << 20)
-        size = path.stat().st_size
-        if size > self.window.max_trace_bytes:
+        except BaseException as exc:  # raised again by finish(), on the caller's thread
+            self._error = exc
+
+    def finish(self, notes: list[str]) -> str | None:
+        """The trace's path once written (``None``: deleted for its size, with a note); raises what the
+        compression raised."""
+        self._thread.join()
+        self._scratch.cleanup()
+        if self._error is not None:
+            raise self._error
+        size = self.path.stat().st_size
+        if size > self.max_bytes:
             with contextlib.suppress(OSError):
-                path.unlink()
-            notes.append(
-                f"trace of {size} bytes exceeded max_trace_bytes={self.window.max_trace_bytes}; deleted"
-            )
+                self.path.unlink()
+            notes.append(f"trace of {size} bytes exceeded max_trace_bytes={self.max_bytes}; deleted")
             return None
-        return str(path)
+        return str(self.path)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for a block that makes many objects and no cycles: in a process
+    holding a framework's objects, a full collection it would trigger costs a tenth of a second."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
