@@ -213,3 +213,13 @@ def test_plan_ranks_by_the_gpu_model_on_one_catalog_gpu_and_keeps_the_rule_on_se
     assert any("fastest that fits by the step-time model" in r for r in one.reasons)
     two = plan(model, torch.optim.AdamW, _ids(16), _loss, device=a100, step_time="auto", world_size=2)
     assert not any("step-time model" in r for r in two.reasons)
+
+
+def test_every_catalog_gpu_has_its_sm_count_and_the_figures_the_model_needs() -> None:
+    from resource_guard.planning.gpu_time import SM_COUNT
+
+    gpus = [spec for spec in CATALOG.values() if spec.kind in ("cuda", "rocm")]
+    assert gpus and all(spec.name in SM_COUNT for spec in gpus)
+    for spec in gpus:
+        gpu = GpuOpModel(spec)  # refuses an entry without bandwidth or an fp32 peak
+        assert 0 < gpu.matmul_efficiency((1, 4096, 4096, 4096), torch.float16) <= gpu.matmul_ceiling
