@@ -311,7 +311,7 @@ class RunMonitor(MonitorOutputs):
             self._guard("profiler", self._profiler.start, off="_profiler")
         profiler = self._profiler
         if self.rank == 0 and not (profiler is not None and profiler.traces_next_step):
-            # drawn while the first steps train, finished before the profiler's window (see step_end)
+            # drawn while the first step trains, waited for at its end (see step_end)
             self._guard("memory picture", self._picture, begin=True)
         self._rss_reset = not self._cuda and reset_peak_rss()
         self._guard("memory growth", self._watch_memory)
@@ -423,17 +423,19 @@ class RunMonitor(MonitorOutputs):
                     end.record()
                     self._events.append((self._open_event, end))
                 self._open_event = None
+            if self._step == 1 and self._picture_job is not None and not self._picture_job.done:
+                # the memory picture is drawn while the start-up step runs (left out of the run's
+                # figures); the rest is waited for here, before the step-1 boundary (a collective under
+                # DDP), so no measured step, nor the profiler's window, shares the interpreter with it
+                begun = _clock()
+                self._picture_job.wait(PICTURE_DEADLINE_S)
+                self._picture_wait_s += _clock() - begun
+                own_work = True
             if self._profiling():  # a few steps of the run: the window's own cost is timed apart
                 begun = _clock()
                 self._guard("profiler", self._profiler.step, off="_profiler")  # type: ignore[union-attr]
                 self._profiler_s += _clock() - begun
                 own_work = True
-                job = self._picture_job
-                if job is not None and not job.done and self._profiling() and self._profiler.traces_next_step:  # type: ignore[union-attr]
-                    # the window traces only the loop: the picture's drawing finishes first
-                    begun = _clock()
-                    job.wait(PICTURE_DEADLINE_S)
-                    self._picture_wait_s += _clock() - begun
             if self._log_due():
                 # the interval ends with the step, before the monitor's own work above: that work is
                 # then out of both clocks alike (skipped below), not of the step time alone
@@ -552,9 +554,8 @@ class RunMonitor(MonitorOutputs):
                 picture = self._picture()
             if self._picture_wait_s >= 0.01:
                 self._notes.append(
-                    f"the memory picture, drawn on a thread from the start, held the loop "
-                    f"{self._picture_wait_s * 1e3:.0f} ms before the profiler window (included in the "
-                    "monitoring cost)"
+                    f"the memory picture, drawn on a thread during the first step, held the loop "
+                    f"{self._picture_wait_s * 1e3:.0f} ms at its end (included in the monitoring cost)"
                 )
         stats = self._guard("report", self._run_stats, summary)
         if stats is not None:  # the close's own time so far, shown in the report

@@ -2,8 +2,10 @@
 
 Drawing it takes a fraction of a second, most of it importing matplotlib the first time (0.5–1 s on a
 loaded CPU): at close that was half of closing a small run. The estimate it draws is known when the
-monitor starts, so :class:`PictureJob` draws it then, on a daemon thread, while the first steps train;
-the monitor takes the image at close (:meth:`PictureJob.wait`, with a deadline). A drawing still running
+monitor starts, so :class:`PictureJob` draws it then, on a daemon thread, while the first step trains
+(the start-up step, left out of the run's figures: no measured step shares the interpreter with the
+drawing); the monitor waits for the rest at that step's end (:meth:`PictureJob.wait`, with a deadline,
+as at close when no step ran) and takes the image at close. A drawing still running
 at the deadline writes ``memory.png`` itself when it finishes (:meth:`PictureJob.write_when_done`), and
 the report says so.
 
