@@ -5,7 +5,8 @@ orders the cards of a group by their tag (numbers compared as numbers), so each 
 is a numbered section: ``1_step`` (the step time), ``2_phase_pct`` (each phase's share of the step),
 ``3_phase_ms`` (each phase in ms per step), ``4_memory`` (MiB), ``5_throughput``, ``6_util`` (%),
 ``7_gpu`` (the GPU's gauges), ``8_host``. A tag is written only where its figure exists on this device
-(no ``gpu`` tags on a CPU run) and a phase only once it was non-zero.
+(no ``gpu`` tags on a CPU run) and a phase only once it took :data:`MIN_PHASE_SHARE` of the step (the
+remainder ``other`` and a loop's few microseconds between steps are no card of their own).
 
 The monitor's interval row keeps its own keys (:data:`~resource_guard.observe.stats.METRIC_KEYS`, in
 seconds and bytes, what the report is computed from); :func:`scalar_values` maps a row to these tags.
@@ -23,6 +24,7 @@ from collections.abc import Collection, Mapping
 
 __all__ = [
     "MEMORY_TAGS",
+    "MIN_PHASE_SHARE",
     "PHASE_MS",
     "PHASE_PCT",
     "STEP_MS",
@@ -35,6 +37,7 @@ MiB = float(2**20)
 STEP_MS = "1_step/time_ms"
 PHASE_PCT = "2_phase_pct/"  # + the phase's name
 PHASE_MS = "3_phase_ms/"  # + the phase's name
+MIN_PHASE_SHARE = 0.005  # a phase gets its scalars from the first interval it took 0.5% of the step in
 
 # interval-row key -> (tag on a CUDA run, tag on a CPU run, scale); None: not written there. The CUDA
 # figures (allocator, NVML, events) are NaN on a CPU run: not written either
@@ -150,8 +153,9 @@ def scalar_values(
 def phase_values(
     per_step_s: Mapping[str, float], step_s: float | None, seen: Collection[str]
 ) -> tuple[dict[str, float], set[str]]:
-    """Each phase in ms per step and as a share of the step (%): only the phases non-zero now or
-    earlier in the run (``seen``, returned with this interval's added), so that no flat zero is written.
+    """Each phase in ms per step and as a share of the step (%): only the phases that took at least
+    :data:`MIN_PHASE_SHARE` of the step (any time, without ``step_s``) now or earlier in the run
+    (``seen``, returned with this interval's added), so that no flat zero is written.
 
     Example:
         >>> values, seen = phase_values({"forward": 0.03, "backward": 0.07, "evaluation": 0.0}, 0.1, ())
@@ -161,7 +165,8 @@ def phase_values(
         >>> sorted(seen)
         ['backward', 'forward']
     """
-    now = set(seen) | {p for p, v in per_step_s.items() if v > 0}
+    floor = MIN_PHASE_SHARE * step_s if step_s and step_s > 0 else 0.0
+    now = set(seen) | {p for p, v in per_step_s.items() if v > 0 and v >= floor}
     out: dict[str, float] = {}
     for phase, value in per_step_s.items():
         if phase not in now:
