@@ -20,7 +20,7 @@ from torch import nn
 
 from resource_guard.errors import ResourceGuardWarning
 from resource_guard.estimate import estimate_memory
-from resource_guard.observe import outputs, profiling
+from resource_guard.observe import outputs, profile_events, profiling
 from resource_guard.observe.monitor import RunMonitor
 from resource_guard.observe.profiling import ProfileWindow, StepProfiler
 
@@ -166,15 +166,15 @@ def test_the_sites_read_for_the_wanted_ops_are_those_of_the_whole_tree() -> None
         prof.step()
     prof.stop()
     result = prof._captured.profiler.kineto_results
-    everything = profiling.op_sites(result)
-    records = profiling._kineto_records(prof._captured)
+    everything = profile_events.op_sites(result)
+    records = profile_events.kineto_records(prof._captured)
     assert records is not None
     with_site = {(r.name, r.start_us): r.site for r in records if r.site is not None}
     names = {name for name, _ in with_site}
     assert {"aten::_to_copy", "aten::copy_", "aten::item"} <= names  # casts and the scalar read
     wanted = set(list(everything)[: len(everything) // 3])
-    assert profiling.op_sites(result, wanted) == {key: everything[key] for key in wanted}
-    assert profiling.op_sites(result, set()) == {}
+    assert profile_events.op_sites(result, wanted) == {key: everything[key] for key in wanted}
+    assert profile_events.op_sites(result, set()) == {}
     # each record's site is the whole tree's for that op
     origin = result.trace_start_ns()
     by_start = {(name, (start - origin) / 1e3): site for (name, start), site in everything.items()}

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from resource_guard.errors import ConfigurationError
-from resource_guard.observe import profiling
+from resource_guard.observe import profile_events, profiling
 from resource_guard.observe.profiling import (
     EventRecord,
     ProfileSummary,
@@ -148,9 +148,9 @@ def test_the_fast_reading_of_the_window_gives_the_summary_torchs_event_list_give
         prof.step()
     prof.stop()
     captured = prof._captured
-    fast = profiling._kineto_records(captured)
+    fast = profile_events.kineto_records(captured)
     assert fast is not None
-    slow = profiling._function_event_records(captured)
+    slow = profile_events.function_event_records(captured)
     a, b = summarize_events(fast, 2), summarize_events(slow, 2)
     assert a.step_wall_us == pytest.approx(b.step_wall_us)
     assert dict(a.op_class_us) == pytest.approx(dict(b.op_class_us), abs=0.11)

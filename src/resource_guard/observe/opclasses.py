@@ -2,7 +2,7 @@
 matmul/conv, attention, elementwise, casts and copies, optimizer, communication and host-device syncs,
 with the user's call sites of syncs and casts, the communication not hidden by compute and the device
 idle time that syncs cause. Framework-free (no torch import): it reads :class:`EventRecord`\\ s, which
-:mod:`resource_guard.observe.profiling` makes from ``torch.profiler`` and
+:mod:`resource_guard.observe.profile_events` makes from ``torch.profiler`` and
 :mod:`resource_guard.observe.chrome_trace` from a recorded Chrome trace.
 
 The classification is the table :data:`PATTERNS`: ``(class, where, regex, source)`` rows, first match
@@ -168,7 +168,7 @@ class EventRecord:
         thread: host thread id (spans enclose ops of their own thread only).
         python: a Python frame (``with_stack``), not an op.
         site: the op's call site where the reader knew it (the profiler's event tree: the user's line
-            of the call and the module it ran in, :func:`resource_guard.observe.profiling.op_sites`);
+            of the call and the module it ran in, :func:`resource_guard.observe.profile_events.op_sites`);
             ``None``: taken from the enclosing Python frames (the line their function starts at).
     """
 
