@@ -305,7 +305,7 @@ def in_run(steps: int, block: int, part: str, warmup: int = 200) -> dict[str, fl
     step varies by ~3% from one run to the next, ten times the effect). Returns the medians over block
     pairs of (on − off) training-thread CPU and wall time per step, in seconds, and their quartiles.
 
-    Reaches into the guard for the switch (``_monitor``, ``_clock``, the stepper's ``clock``): a
+    Reaches into the guard for the switch (``_run.monitor``, ``_clock``, the stepper's ``clock``): a
     benchmark of internals, not an API.
     """
     from resource_guard import guard
@@ -345,15 +345,15 @@ def in_run(steps: int, block: int, part: str, warmup: int = 200) -> dict[str, fl
             cpu, wall = [], []
             on = not on
             if on:
-                g._monitor, g._clock, g._stepper.clock = saved
+                g._run.monitor, g._clock, g._stepper.clock = saved
                 continue
-            saved = (g._monitor, g._clock, g._stepper.clock)
+            saved = (g._run.monitor, g._clock, g._stepper.clock)
             if part in ("all", "monitor"):
-                g._monitor = None
+                g._run.monitor = None
             if part in ("all", "clock"):
                 g._clock = g._stepper.clock = None
         if not on:
-            g._monitor, g._clock, g._stepper.clock = saved
+            g._run.monitor, g._clock, g._stepper.clock = saved
     out: dict[str, float] = {}
     for kind, by in means.items():
         pairs = [a - b for a, b in zip(by[True], by[False])]

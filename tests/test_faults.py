@@ -631,7 +631,8 @@ def test_events_file_unwritable_mid_run_is_one_warning(
                         disk_full_after()
                     return super().__getitem__(i)
 
-            report = guard_run(tmp_path, Net(), loader(ArmingRows(n=steps * BATCH)), profile=False).report
+            rows = loader(ArmingRows(n=steps * BATCH))
+            report = guard_run(tmp_path, Net(), rows, profile=False, log_every_n_steps=50).report
         else:
             callback = rg(tmp_path, profile=False)
 

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import resource_guard.planning.planner as plan_module
 from resource_guard.devices import play_cpu, resolve_device
 from resource_guard.errors import ConfigurationError, DoesNotFitError, ResourceGuardWarning
+from resource_guard.estimate.allocation.allocator import DeviceFit
 from resource_guard.frontdoors.lightning import apply as ap
 from resource_guard.frontdoors.lightning import internals as li
 from resource_guard.frontdoors.lightning.callback import ResourceGuard
@@ -134,9 +135,11 @@ def fake_plan(monkeypatch):
                 timeline=(),
             )
             device = resolve_device("cpu")
-            fit = types.SimpleNamespace(
-                device=device, capacity_bytes=1 << 30, device_total_bytes=1 << 20, usable_bytes=1 << 29
-            )
+            fit = DeviceFit(
+                device=device, capacity_bytes=1 << 30, allocated_peak_bytes=1 << 20,
+                reserved_peak_bytes=1 << 20, context_bytes=0, workspace_bytes=0,
+                device_total_bytes=1 << 20, usable_bytes=1 << 29, fits=True, headroom_bytes=1 << 29,
+            )  # fmt: skip
             return types.SimpleNamespace(
                 micro_batch_size=m,
                 accumulation_steps=accumulation,

@@ -95,3 +95,25 @@ def test_a_capped_run_writes_the_plans_capacity_usable_and_peak_everywhere(
     assert memory["estimate_mib"] == pytest.approx(fit.device_total_bytes / MiB, abs=0.01)
     facts = {f["name"]: f["value"] for f in views.overview(run)["facts"]}
     assert facts["capacity (the plan's)"] == 80.0 and facts["host RAM"] == pytest.approx(ram / MiB, abs=0.01)
+
+
+def test_the_guard_door_writes_the_same_memory_figures_to_guard_json_and_report_json(tmp_path: Path) -> None:
+    """Through the door (frontdoors/run.new_monitor hands the monitor the plan's fit): guard.json's plan
+    and report.json's summary state one capacity, usable line and predicted peak."""
+    from resource_guard import guard
+
+    model, optimizer, (tokens, targets) = build(batch_size=8, seq_len=32, vocab_size=512)
+    batches = [(tokens, targets)] * 3
+    with guard(
+        model, optimizer, device="cpu", memory_limit="96MiB", log_dir=tmp_path, profile=False,
+        loss_fn=lambda m, b: m(*b),
+    ) as g:  # fmt: skip
+        for x, y in g.iterate(batches):
+            g.backward(model(x, y))
+    planned = json.loads((tmp_path / "guard.json").read_text())
+    summary = json.loads((tmp_path / "report.json").read_text())["summary"]
+    for key in ("capacity_bytes", "usable_bytes", "predicted_peak_bytes"):
+        assert summary[key] == planned["plan"][key], key
+    assert planned["plan"]["capacity_bytes"] == 96 * MiB
+    assert summary["estimated_peak_bytes"] == planned["estimated_peak_bytes"]
+    assert summary["ram_bytes"] == int(psutil.virtual_memory().total)

@@ -107,7 +107,7 @@ def test_background_events_are_on_disk_after_close_and_after_an_exception_in_the
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = [torch.randn(4, 8) for _ in range(60)]
     with pytest.raises(RuntimeError, match="boom"):  # guard logs at steps 1 and 50, and at close
-        with guard(model, optimizer, log_dir=tmp_path, profile=False) as g:
+        with guard(model, optimizer, log_dir=tmp_path, profile=False, log_every_n_steps=50) as g:
             for i, x in enumerate(g.iterate(batches)):
                 g.backward(model(x).sum())
                 if i == 54:

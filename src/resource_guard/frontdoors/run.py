@@ -203,6 +203,7 @@ def new_monitor(
         estimate=plan.estimate,
         capacity_bytes=host_ram_bytes() if on_cpu else plan.fit.capacity_bytes,
         planned_capacity_bytes=plan.fit.capacity_bytes,
+        planned_fit=plan.fit,  # one memory story: the plan's capacity, usable line and predicted peak
         device_spec=plan.device if plan.device.source == "detected" else None,
         phase_timing=True,
         **settings,

@@ -11,7 +11,10 @@
 - ``log_dir``: where the report goes;
 - ``profile``: ``True`` (the default window), ``False`` or a
   :class:`~resource_guard.observe.profiling.ProfileWindow`;
-- ``monitor``: run-time monitoring and the report, ``True`` or ``False``.
+- ``monitor``: run-time monitoring and the report, ``True`` or ``False``;
+- ``log_every_n_steps`` / ``log_interval_s``: how often the monitor logs. ``None`` (the default): every
+  optimizer step for the first 20, then about every ``log_interval_s`` seconds (2 by default); an int
+  ``n``: after step 1 and every ``n``-th step.
 
 :func:`check_shared` refuses a bad value of any of them with ``ConfigurationError`` quoting the call
 (``"`ResourceGuardCallback(precision='fp8')` must be None (keep the run's precision), 'auto' or one of
@@ -40,7 +43,17 @@ from resource_guard.step.precision import PRECISIONS, parse_precision
 
 __all__ = ["SHARED", "check_log_dir", "check_shared", "refused"]
 
-SHARED = ("memory_limit", "precision", "target_batch_size", "max_seq_len", "log_dir", "profile", "monitor")
+SHARED = (
+    "memory_limit",
+    "precision",
+    "target_batch_size",
+    "max_seq_len",
+    "log_dir",
+    "profile",
+    "monitor",
+    "log_every_n_steps",
+    "log_interval_s",
+)
 
 
 def refused(call: str, name: str, value: Any, allowed: str) -> ConfigurationError:
@@ -62,6 +75,8 @@ def check_shared(
     log_dir: Any = None,
     profile: Any = True,
     monitor: Any = True,
+    log_every_n_steps: Any = None,
+    log_interval_s: Any = 2.0,
     precisions: Sequence[str] | None = None,
 ) -> str | None:
     """Refuse a bad shared setting, quoting ``call``; returns the precision's canonical name (``None``,
@@ -94,6 +109,11 @@ def check_shared(
         raise refused(call, "profile", profile, "True, False or a ProfileWindow")
     if not isinstance(monitor, bool):
         raise refused(call, "monitor", monitor, "True or False")
+    if log_every_n_steps is not None and not _positive_int(log_every_n_steps):
+        raise refused(call, "log_every_n_steps", log_every_n_steps, "a positive int or None (time-bounded)")
+    seconds = isinstance(log_interval_s, (int, float)) and not isinstance(log_interval_s, bool)
+    if not seconds or not 0 < log_interval_s < float("inf"):
+        raise refused(call, "log_interval_s", log_interval_s, "a number of seconds > 0")
     return precision  # type: ignore[no-any-return]
 
 

@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -51,20 +52,19 @@ from torch import nn
 from resource_guard.errors import ConfigurationError, DoesNotFitError, warn_at_user
 from resource_guard.estimate.user_step import manual_update_stand_in
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
-from resource_guard.frontdoors.guard.args import check_device_and_catalog, check_log_dir, torch_device_of
-from resource_guard.frontdoors.guard.batches import MicroBatches, expect_steps, to_device
+from resource_guard.frontdoors.guard.args import (
+    check_guard_args,
+    check_iterate,
+    check_log_dir,
+    torch_device_of,
+)
+from resource_guard.frontdoors.guard.batches import MicroBatches, iterate_batches, to_device
 from resource_guard.frontdoors.guard.evaluation import EvalMode, preflight_eval
 from resource_guard.frontdoors.guard.observed import LoopWatch, loop_precision, outputs_as_kept, own_precision
-from resource_guard.frontdoors.guard.setup import (
-    flops_per_sample,
-    make_plan,
-    prepare_model,
-    start_monitor,
-)
+from resource_guard.frontdoors.guard.setup import build_monitor, flops_per_sample, make_plan, prepare_model
 from resource_guard.frontdoors.guard.stepper import Stepper
 from resource_guard.frontdoors.guard.summary import run_summary
-from resource_guard.observe.loader_settings import loader_settings
-from resource_guard.step.batching import split_batch
+from resource_guard.frontdoors.run import Run
 from resource_guard.step.precision import autocast_context, parse_precision
 from resource_guard.step.training import LossFn, StandInLoss, batch_size_of
 
@@ -114,6 +114,10 @@ class Guard:
     ``eval_sample_batch``: one batch of the evaluation loop (its own batch size and shapes), whose step
     is pre-flighted with the plan, before any training step, as it will run after the first optimizer
     step (see :meth:`evaluate`).
+
+    ``log_every_n_steps`` / ``log_interval_s``: how often the monitor logs: by default every step for the
+    first 20, then about every ``log_interval_s`` seconds (2); an int ``n``: after step 1 and every
+    ``n``-th step.
     """
 
     def __init__(
@@ -141,64 +145,22 @@ class Guard:
         check_shapes: bool = True,
         keep_outputs: bool = True,
         batch_dim: int | None = None,
+        log_every_n_steps: int | None = None,
+        log_interval_s: float = 2.0,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ConfigurationError(
-                f"`guard(model=...)` must be a torch.nn.Module, got {type(model).__name__}."
-            )
-        several = isinstance(optimizer, (list, tuple))  # a GAN's loop: g.backward(loss, optimizer=...)
-        from resource_guard.estimate.user_step import UserStep
-
-        # several optimizers and no user step: an unchanged loop, its first step recorded (recorded.py)
-        self._recording = several and not isinstance(loss_fn, UserStep)
-        if several:
-            from resource_guard.estimate.user_step import check_optimizers
-
-            check_optimizers(model, optimizer, loss_fn, "guard", recorded=self._recording)
-        elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigurationError(
-                f"`guard(optimizer=...)` must be a torch.optim.Optimizer, a list of them, or "
-                "`optimizer=None` for a loop that updates the parameters by hand "
-                f"(`p.data.add_(p.grad, alpha=-lr)`), got {type(optimizer).__name__}."
-            )
-        if optimizer is None and sample_batch is not None:
-            raise ConfigurationError(
-                "`guard(model, None, sample_batch=...)`: with manual updates (`optimizer=None`) the loop "
-                "updates the parameters itself, so `g.iterate`/`g.backward` cannot step it. Remove "
-                "`sample_batch=` and leave the loop unchanged: the guard pre-flights its first forward."
-            )
-        from resource_guard.frontdoors.vocabulary import check_shared
-        from resource_guard.planning.planner import _check_args
-
-        # the settings every door shares, in the same words (frontdoors/vocabulary.py)
-        precision = check_shared(
-            "guard", memory_limit=memory_limit, precision=precision, target_batch_size=target_batch_size,
-            max_seq_len=max_seq_len, log_dir=log_dir, profile=profile, monitor=monitor,
+        precision, catalog, self._batch_dim, self._recording = check_guard_args(
+            model, optimizer, loss_fn=loss_fn, sample_batch=sample_batch, precision=precision,
+            target_batch_size=target_batch_size, device=device, checkpointing=checkpointing,
+            memory_limit=memory_limit, headroom=headroom, log_dir=log_dir, clip_grad_norm=clip_grad_norm,
+            monitor=monitor, profile=profile, catalog=catalog, memory_history=memory_history,
+            max_seq_len=max_seq_len, check_shapes=check_shapes, keep_outputs=keep_outputs,
+            batch_dim=batch_dim, log_every_n_steps=log_every_n_steps, log_interval_s=log_interval_s,
         )  # fmt: skip
-        _check_args(headroom, target_batch_size, 1, "auto", checkpointing, call="guard")
-        catalog = check_device_and_catalog(device, catalog)
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ConfigurationError(f"`guard(clip_grad_norm={clip_grad_norm!r})` must be > 0 or None.")
-        if not isinstance(memory_history, bool):
-            raise ConfigurationError(f"`guard(memory_history={memory_history!r})` must be True or False.")
-        if not isinstance(keep_outputs, bool):
-            raise ConfigurationError(f"`guard(keep_outputs={keep_outputs!r})` must be True or False.")
-        self._keep_outputs = keep_outputs
-        from resource_guard.frontdoors.guard.batch_dim import check_batch_dim
-
-        self._batch_dim = check_batch_dim(batch_dim)
-        if self._batch_dim == 1 and sample_batch is not None:
-            raise ConfigurationError(
-                "`guard(..., batch_dim=1, sample_batch=...)`: `g.iterate` cuts batches along dim 0. Leave "
-                "the sequence-first loop unchanged under `with guard(model, optimizer, batch_dim=1):` (the "
-                "guard pre-flights its first forward), or give batch-first batches to `g.iterate`."
-            )
-        from resource_guard.frontdoors.shape_guard import check_worst_case_args
-
-        check_worst_case_args("guard", max_seq_len, check_shapes)
-        self._worst = (max_seq_len, worst_case_batch, check_shapes)
-        self._shapes: Any = None  # the ShapeGuard, once planned
-        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self._cadence: dict[str, Any] = {
+            "log_every_n_steps": log_every_n_steps,
+            "log_interval_s": log_interval_s,
+        }
+        self.model, self.optimizer, self.loss_fn, self._keep_outputs = model, optimizer, loss_fn, keep_outputs
         self.optimizers: tuple[torch.optim.Optimizer, ...] = (
             tuple(optimizer)
             if isinstance(optimizer, (list, tuple))
@@ -208,17 +170,13 @@ class Guard:
         )
         # what the estimate steps: a manual-update loop's in-place, stateless update when there is none
         self._planned_optimizers = self.optimizers or (manual_update_stand_in(model),)
-        self._sample_batch = sample_batch
-        self._eval_sample = eval_sample_batch  # pre-flighted with the plan (see `evaluate`)
+        self._worst = (max_seq_len, worst_case_batch, check_shapes)
+        self._sample_batch, self._eval_sample = sample_batch, eval_sample_batch  # the latter: see `evaluate`
         self._target = target_batch_size
         self._plan_kwargs: dict[str, Any] = {
-            "device": device,
-            "precision": precision,
-            "checkpointing": checkpointing,
-            "memory_limit": memory_limit,
-            "headroom": headroom,
-            "catalog": catalog,
-        }
+            "device": device, "precision": precision, "checkpointing": checkpointing,
+            "memory_limit": memory_limit, "headroom": headroom, "catalog": catalog,
+        }  # fmt: skip
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._clip = clip_grad_norm
         self._monitor_on, self._profile, self._history = monitor, profile, memory_history
@@ -226,8 +184,8 @@ class Guard:
         self.plan: Plan | None = None
         self.device: torch.device | None = None
         self.micro_steps = 0
-        self.report: Any = None
-        self._monitor: Any = None
+        self._run = Run("resource_guard")  # the monitor, from the run's start to its report
+        self._shapes: Any = None  # the ShapeGuard, once planned
         self._scaler: torch.amp.GradScaler | None = None
         self._ckpt: Any = None
         self._entered = False
@@ -247,6 +205,11 @@ class Guard:
             return self._watch.steps
         return self._stepper.optimizer_steps if self._stepper is not None else 0
 
+    @property
+    def report(self) -> Any:
+        """The monitor's report after exit (``None`` when monitoring is off)."""
+        return self._run.report
+
     # ------------------------------------------------------------------------------------------------
     # context manager
 
@@ -259,16 +222,10 @@ class Guard:
             check_log_dir(self._log_dir)
         if self._sample_batch is not None:
             self._setup(self._sample_batch)
-        else:  # until the loop calls g.iterate: watch it as it is (frontdoors/guard/observed.py)
-            self._watch = LoopWatch(
-                self.model,
-                self.optimizers,
-                self._setup_observed,
-                self._gradients_kept,
-                self._closure_loss,
-                record=self._setup_recorded if self._recording else None,
-            )
-            self._watch.install()
+        else:  # until the loop calls g.iterate: watch it as it is (frontdoors/guard/unchanged.py)
+            from resource_guard.frontdoors.guard.unchanged import watch_unchanged
+
+            self._watch = watch_unchanged(self)
         return self
 
     def __exit__(
@@ -281,7 +238,7 @@ class Guard:
         # returning None lets the user's exception (if any) through unchanged
 
     # ------------------------------------------------------------------------------------------------
-    # set-up (the parts: frontdoors/guard/setup.py)
+    # the run's first batch: planned, applied, monitored (the parts: frontdoors/guard/setup.py)
 
     def _setup(self, batch: Any, loader: Any = None) -> None:
         if self._recording:  # g.iterate / sample_batch= with several optimizers: the guard runs the step
@@ -319,128 +276,26 @@ class Guard:
         if self._worst[2]:  # the shape guard; the worst case known before any step (it may split)
             self._start_shape_guard(batch, loss_fn, loader)
         self._stepper = Stepper(self.optimizers, target, self._scaler, self._clip)
-        several = len(self.optimizers) > 1
-        self._micro = MicroBatches(self._shapes, several)
+        self._micro = MicroBatches(self._shapes, len(self.optimizers) > 1)
         if self._monitor_on:
-            self._monitor = self._start_monitor(self._shapes)
-            self._clock = self._monitor.phases if self._monitor is not None else None
-            self._stepper.clock = self._clock
-            for check in self._evals.checks:  # pre-flighted with the plan: into the report too
-                self._call_monitor("note", check.line())
-
-    def _setup_observed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The unchanged loop's first training forward, before it runs: its step pre-flighted as the loop
-        runs it (``DoesNotFitError`` stops it), then the monitor. Nothing is moved or changed."""
-        from resource_guard.frontdoors.guard.observed import forward_batch, plan_as_run
-
-        watch = self._watch
-        assert watch is not None
-        self.plan, self.device, loss, dim = plan_as_run(
-            self.model,
-            self._planned_optimizers,
-            args,
-            kwargs,
-            self.loss_fn,
-            self._plan_kwargs,
-            self._keep_outputs,
-            self._batch_dim,
-        )
-        watch.batch_dim = dim
-        self._target = self.plan.target_batch_size
-        if self._worst[2]:  # check_shapes: a later forward of a larger shape is refused before it runs
-            self._start_observed_shape_guard(forward_batch(args, kwargs), loss, dim)
-        self.plan = self._with_reasons(
-            "unchanged loop: observed through hooks; nothing applied (the loop's device, precision and "
-            "batch run as written); to let the guard apply a plan, loop with `g.iterate` and `g.backward`"
-        )
-        if not self.optimizers:
-            self.plan = self._with_reasons(
-                "manual updates (`optimizer=None`): planned as an in-place update with no optimizer state, "
-                "the gradients freed before the next forward (`model.zero_grad()`); a step is counted at "
-                "each training forward that follows a backward"
-            )
-        if self._monitor_on:
-            batch, traced = forward_batch(args, kwargs), self.model
-            if dim:  # FLOPs per sample of the batch-first view the plan traced
-                from resource_guard.frontdoors.guard.batch_dim import BatchFirstView, to_batch_first
-
-                traced, batch = BatchFirstView(self.model, dim, batch), to_batch_first(batch, dim)
-            per_sample = flops_per_sample(traced, batch, loss, self._planned_optimizers)
-            self._monitor = self._start_monitor(None)
-            self._clock = self._monitor.phases if self._monitor is not None else None
-            watch.monitor, watch.clock, watch.flops_per_sample = self._monitor, self._clock, per_sample
-
-    def _start_observed_shape_guard(self, batch: Any, loss: Any, dim: int) -> None:
-        """The shape guard of an unchanged loop: planned on its first forward's inputs (batch-first when
-        its batch is dim ``dim``); the watch asks it before each later training forward."""
-        watch = self._watch
-        assert watch is not None and self.plan is not None
-        model: nn.Module = self.model
-        if dim:
-            from resource_guard.frontdoors.guard.batch_dim import BatchFirstView, to_batch_first
-
-            model, batch = BatchFirstView(self.model, dim, batch), to_batch_first(batch, dim)
-        # the watch's own hooks are quiet here; the loop runs each batch whole
-        self._start_shape_guard(batch, loss, None, model=model, whole_batches=True)
-        watch.shapes = self._shapes
-
-    def _setup_recorded(self, recorder: Any) -> None:
-        """The first step of an unchanged loop with several optimizers ended: that step, replayed on fake
-        tensors, planned (``DoesNotFitError`` stops the loop before its next forward), then the monitor."""
-        from resource_guard.frontdoors.guard.observed import plan_recorded
-
-        watch = self._watch
-        assert watch is not None
-        self.plan, self.device, step = plan_recorded(self.model, self.optimizers, recorder, self._plan_kwargs)
-        self._target = self.plan.target_batch_size
-        if self._monitor_on:
-            from resource_guard.estimate.user_step import UserStep
-            from resource_guard.frontdoors.guard.recorded import replay_step
-
-            once = UserStep(replay_step(recorder.events, passes=1))
-            per_sample = flops_per_sample(self.model, tuple(recorder.fresh), once, self.optimizers)
-            self._monitor = self._start_monitor(None)
-            self._clock = self._monitor.phases if self._monitor is not None else None
-            watch.monitor, watch.clock, watch.flops_per_sample = self._monitor, self._clock, per_sample
-
-    def _closure_loss(self, loss_bytes: int) -> None:
-        """The unchanged loop's closure returned its loss: the step refitted with the losses it holds."""
-        from resource_guard.frontdoors.guard.observed import closure_loss_plan
-
-        if self.plan is not None:
-            self.plan, line = closure_loss_plan(self.plan, loss_bytes)
-            self._call_monitor("note", line)
-
-    def _gradients_kept(self, forward: int) -> None:
-        """The unchanged loop's first forward on gradients kept: its later micro-steps' peak, refitted."""
-        from resource_guard.frontdoors.guard.observed import gradients_kept_plan
-
-        if self.plan is not None:
-            self.plan, line = gradients_kept_plan(self.plan, forward)
-            self._call_monitor("note", line)
+            monitor = self._start_monitor(self._shapes)
+            self._stepper.clock = self._clock = monitor.phases if monitor is not None else None
 
     def _start_monitor(self, shapes: Any) -> Any:
         """The run monitor of this plan: phases, the profiler window, the report at exit."""
         assert self.plan is not None  # planned before any monitor starts
-        return start_monitor(
-            self._log_dir,
-            self.plan,
-            self.device,
-            profile=self._profile,
-            memory_history=self._history,
-            shapes=shapes,
-            optimizers=self.optimizers,
-        )
+        made, device = self.plan, self.device or torch.device("cpu")
+        notes = [check.line() for check in self._evals.checks]  # pre-flighted with the plan: reported
+        profile, history, cadence = self._profile, self._history, self._cadence
+        return self._run.start(
+            lambda: build_monitor(self._log_dir, made, device, profile, history, **cadence),
+            made, shapes=shapes, optimizers=self.optimizers, notes=notes,
+        )  # fmt: skip
 
     def _start_shape_guard(
-        self,
-        batch: Any,
-        loss_fn: LossFn,
-        loader: Any,
-        *,
-        model: nn.Module | None = None,
+        self, batch: Any, loss_fn: LossFn, loader: Any, *, model: nn.Module | None = None,
         whole_batches: bool = False,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """The shape guard of this plan (``model``: the module the plan traced, the guard's by
         default; ``whole_batches``: an unchanged loop, whose batches are never split)."""
         from resource_guard.frontdoors.shape_guard import start_shape_guard
@@ -459,8 +314,6 @@ class Guard:
         self.plan = self._with_reasons(*notes)
 
     def _with_reasons(self, *lines: str) -> Plan:
-        import dataclasses
-
         assert self.plan is not None
         return dataclasses.replace(self.plan, reasons=(*self.plan.reasons, *lines))
 
@@ -477,28 +330,7 @@ class Guard:
         """
         if not self._entered:
             raise ConfigurationError("call `g.iterate(...)` inside `with guard(...) as g:`.")
-        from resource_guard.estimate.closure_step import needs_closure
-
-        if self._batch_dim == 1:  # before step 0: the batches would be cut along the wrong dim
-            raise ConfigurationError(
-                "`g.iterate(...)` with `guard(..., batch_dim=1)`: `g.iterate` cuts batches along dim 0. "
-                "Leave the sequence-first loop unchanged (the guard pre-flights, times and reports it), or "
-                "give `g.iterate` batch-first batches and drop `batch_dim=1`."
-            )
-        if not self.optimizers:  # before step 0: g.backward would have nothing to step
-            raise ConfigurationError(
-                "`g.iterate(...)` with `guard(model, None)`: the loop updates the parameters by hand, so "
-                "`g.backward` has no optimizer to step. Leave the loop unchanged under `with guard(model, "
-                "None):` (the guard pre-flights, times and reports it), or pass the optimizer."
-            )
-        closure = next((type(o).__name__ for o in self.optimizers if needs_closure(o)), None)
-        if closure is not None:  # before step 0: g.backward steps with no closure to re-evaluate
-            raise ConfigurationError(
-                f"{closure} steps with a closure that re-evaluates the model (`optimizer.step(closure)`), "
-                "which `g.iterate`/`g.backward` cannot give it. Leave the loop unchanged under "
-                "`with guard(model, optimizer):` and call `optimizer.step(closure)` yourself: the guard "
-                "pre-flights the closure's step (its history included), times and reports it."
-            )
+        check_iterate(self.optimizers, self._batch_dim)  # before step 0
         watch, self._watch = self._watch, None
         if watch is not None:  # the loop drives the guard: the hooks go
             watch.remove()
@@ -507,51 +339,7 @@ class Guard:
                     "the model ran a training forward inside `with guard(...)` before `g.iterate(...)`: "
                     "either loop with `g.iterate` from the first batch, or leave the loop unchanged."
                 )
-        non_blocking = bool(getattr(loader, "pin_memory", False))
-        expect_steps(self._monitor, loader)
-        batches = iter(loader)
-        while True:
-            clock = self._clock
-            if clock is not None:  # the data wait: the loader's own __next__, nothing else
-                clock.switch("data_wait")
-            try:
-                batch = next(batches)
-            except StopIteration:
-                break
-            if clock is not None:
-                clock.switch("other")
-            if self.plan is None:
-                self._setup(batch, loader)
-                expect_steps(self._monitor, loader)
-                self._call_monitor("set_loader_info", loader_settings(loader))  # the advice reads them
-            if self._flops_per_sample is not None and self._monitor is not None:
-                # the monitor's step is one loader batch: MFU from the FLOPs of that many samples
-                self._monitor.flops_per_step = self._flops_per_sample * (batch_size_of(batch) or 1)
-                self._flops_per_sample = None
-            self._call_monitor("batch_ready", batch)
-            device, micro, plan = self.device, self._micro, self.plan
-            assert device is not None and micro is not None and plan is not None
-            moved = to_device(batch, device, non_blocking)
-            micro_size = micro.size_for(moved, plan.micro_batch_size)
-            rows = micro.rows(moved)
-            if rows is not None and rows <= micro_size:  # the hot path: no slicing
-                self._current_micro = rows
-                yield self._forward(moved)
-                self._resumed()
-            else:
-                for part in split_batch(moved, micro_size):
-                    self._current_micro = batch_size_of(part) or 1
-                    yield self._forward(part)
-                    self._resumed()
-            if len(self.optimizers) > 1 and self._scaler is not None:
-                self._scaler.update()  # once per batch, after every optimizer stepped
-            self._call_monitor("step_end")
-        if self._clock is not None:
-            self._clock.switch("other")
-        if self._stepper is not None and self._stepper.pending:
-            self._stepper.finish_partial_step()
-            if self._clock is not None:
-                self._clock.switch("other")
+        return iterate_batches(self, loader)
 
     def _forward(self, batch: Any) -> Any:
         """``batch``, the forward phase running from here until ``g.backward``."""
@@ -650,19 +438,10 @@ class Guard:
         )
         if line is not None:  # new: into the plan's reasons and the report
             self.plan = self._with_reasons(line)
-            self._call_monitor("note", line)
+            self._run.call("note", line)
 
     # ------------------------------------------------------------------------------------------------
-    # monitoring and tear-down (the parts: frontdoors/guard/summary.py)
-
-    def _call_monitor(self, name: str, *args: Any) -> None:
-        if self._monitor is None:
-            return
-        try:
-            getattr(self._monitor, name)(*args)
-        except Exception as error:  # a failure in our monitoring never stops training
-            warn_at_user(f"resource_guard: monitoring stopped: {error!r}")
-            self._monitor = None
+    # tear-down (the parts: frontdoors/guard/summary.py)
 
     def _teardown(self, exc: BaseException | None) -> None:
         self._eval_mode.restore()  # an evaluation left by an exception: train and grad mode back
@@ -672,13 +451,8 @@ class Guard:
             watch.finish()
             self.micro_steps = watch.forwards
             if watch.planned:
-                self._call_monitor("note", watch.line())
-        monitor, self._monitor = self._monitor, None
-        if monitor is not None:
-            try:
-                self.report = monitor.close(exc)
-            except Exception as error:
-                warn_at_user(f"resource_guard: monitor close failed: {error!r}")
+                self._run.call("note", watch.line())
+        self._run.close(exc)
         if self._ckpt is not None:
             self._ckpt.remove()
             self._ckpt = None

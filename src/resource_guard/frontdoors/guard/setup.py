@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from resource_guard.errors import ConfigurationError, DoesNotFitError, warn_at_user
+from resource_guard.errors import DoesNotFitError, warn_at_user
 from resource_guard.frontdoors.guard.args import torch_device_of
 from resource_guard.step.precision import parse_precision
 from resource_guard.step.training import LossFn, StandInLoss, batch_size_of
@@ -20,12 +20,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Prepared",
+    "build_monitor",
     "flops_per_sample",
     "make_plan",
-    "monitor_capacity",
     "move_optimizer_state",
     "prepare_model",
-    "start_monitor",
 ]
 
 
@@ -98,48 +97,30 @@ def prepare_model(
     return out
 
 
-def start_monitor(
+def build_monitor(
     log_dir: os.PathLike[str] | None,
     plan: Plan,
-    device: torch.device | None,
-    *,
+    device: torch.device,
     profile: Any,
     memory_history: bool,
-    shapes: Any,
-    optimizers: tuple[torch.optim.Optimizer, ...] = (),
+    *,
+    log_every_n_steps: int | None = None,
+    log_interval_s: float = 2.0,
 ) -> Any:
-    """A started :class:`~resource_guard.observe.monitor.RunMonitor`, or ``None`` (one warning) when it
-    cannot start; a log dir that cannot be written raises."""
-    try:
-        from resource_guard.observe.monitor import RunMonitor
+    """The :class:`~resource_guard.observe.monitor.RunMonitor` of the guard's plan (not started; see
+    :func:`~resource_guard.frontdoors.run.new_monitor`)."""
+    from resource_guard.frontdoors.run import new_monitor
 
-        monitor = RunMonitor(
-            log_dir,
-            device=device or "cpu",
-            estimate=plan.estimate,
-            capacity_bytes=monitor_capacity(plan, device),
-            planned_capacity_bytes=plan.fit.capacity_bytes,
-            device_spec=plan.device,
-            profile=profile,
-            precision=plan.precision,
-            memory_history=memory_history,
-            # Lightning's default: a log boundary (aggregation, one TensorBoard flush) costs ~0.3 ms,
-            # ~6 us a step over 50 steps, ~30 us over 10
-            log_every_n_steps=50,
-            phase_timing=True,  # the guard switches the monitor's phase clock at its boundaries
-        )
-        monitor.shape_stats = shapes.stats if shapes is not None else None
-        from resource_guard.report.plan_advice import plan_rows
-
-        monitor.plan_rows = plan_rows(plan)  # the advice quotes the configuration it recommends
-        monitor.optimizers = optimizers
-        monitor.start()
-        return monitor
-    except ConfigurationError:
-        raise
-    except Exception as error:
-        warn_at_user(f"resource_guard: monitoring is off for this run: {error!r}")
-        return None
+    return new_monitor(
+        plan,
+        device,
+        log_dir,
+        profile=profile,
+        precision=plan.precision,
+        memory_history=memory_history,
+        log_every_n_steps=log_every_n_steps,
+        log_interval_s=log_interval_s,
+    )
 
 
 def flops_per_sample(
@@ -165,16 +146,3 @@ def flops_per_sample(
     else:
         flops = count_flops(model, batch, loss_fn, remedy=None)  # guard takes no flops_per_step
     return flops / size if flops else None
-
-
-def monitor_capacity(plan: Plan, device: torch.device | None) -> int:
-    """The capacity the run's measured peak is compared with.
-
-    On the CPU the monitor measures the process's RSS, interpreter and libraries included, so a
-    ``memory_limit`` (which caps tensor bytes) is no fair yardstick for it: the host's RAM is.
-    """
-    if device is not None and device.type == "cpu":
-        from resource_guard.devices import resolve_device
-
-        return resolve_device("cpu").memory_bytes
-    return plan.fit.capacity_bytes

@@ -192,6 +192,7 @@ def build_monitor(
     profile: Any,
     writer: Any,
     flops_per_step: float | None = None,
+    cadence: dict[str, Any] | None = None,
 ) -> Any:
     """The :class:`~resource_guard.RunMonitor` of a Trainer run (not started; see
     :func:`~resource_guard.frontdoors.run.new_monitor`): one step per optimizer step (the Trainer's
@@ -201,12 +202,11 @@ def build_monitor(
     from resource_guard.frontdoors.run import new_monitor
 
     rank0 = args.process_index == 0
-    steps = int(getattr(args, "logging_steps", 0) or 0)
     return new_monitor(
         made,
         torch.device(args.device),
         log_dir if rank0 else None,
-        log_every_n_steps=steps if steps >= 1 else 50,
+        **(cadence or {}),  # the callback's log_every_n_steps / log_interval_s
         profile=profile,
         writer=writer,
         rank=int(args.process_index),

@@ -98,6 +98,9 @@ class ResourceGuardCallback(TrainerCallback):
         target_batch_size: the effective batch, ``per_device_train_batch_size ×
             gradient_accumulation_steps × world size``: accepted when it is the Trainer's, else refused
             before training (plan it with ``plan_training_args(..., target_batch_size=...)``).
+        log_every_n_steps / log_interval_s: how often the monitor logs (on the ``global_step`` axis): by
+            default every optimizer step for the first 20, then about every ``log_interval_s`` seconds
+            (2); an int ``n``: after step 1 and every ``n``-th step.
 
     Attributes:
         plan: the :class:`~resource_guard.Plan` of the configured step (``None`` before training).
@@ -129,13 +132,17 @@ class ResourceGuardCallback(TrainerCallback):
         verbose: bool = True,
         precision: str | None = None,
         target_batch_size: int | None = None,
+        log_every_n_steps: int | None = None,
+        log_interval_s: float = 2.0,
     ) -> None:
         self.precision = check_settings(
             device=device, memory_limit=memory_limit, headroom=headroom, max_seq_len=max_seq_len,
             check_shapes=check_shapes, check_eval=check_eval, monitor=monitor, profile=profile,
             log_dir=log_dir, loss_fn=loss_fn, compute_loss_func=compute_loss_func, verbose=verbose,
             precision=precision, target_batch_size=target_batch_size,
+            log_every_n_steps=log_every_n_steps, log_interval_s=log_interval_s,
         )  # fmt: skip
+        self.log_every_n_steps, self.log_interval_s = log_every_n_steps, log_interval_s
         self.target_batch_size = target_batch_size
         self.device, self.memory_limit, self.headroom = device, memory_limit, float(headroom)
         self.max_seq_len, self.worst_case_batch = max_seq_len, worst_case_batch
@@ -309,7 +316,7 @@ class ResourceGuardCallback(TrainerCallback):
         flops = self._made.flops_per_step if self._made is not None else None
         max_steps = int(getattr(state, "max_steps", 0) or 0)
         monitor = self._run.start(
-            lambda: build_monitor(args, made, log_dir, self.profile, writer, flops),
+            lambda: build_monitor(args, made, log_dir, self.profile, writer, flops, self._cadence()),
             made, shapes=self._shapes, total_steps=max_steps if max_steps > 0 else None,
             notes=made.reasons, close_at_exit=True,
         )  # fmt: skip
@@ -318,6 +325,9 @@ class ResourceGuardCallback(TrainerCallback):
             phases.install(self._made.optimizer if self._made is not None else None, loader)
             for line in phases.notes:
                 monitor.note(line)
+
+    def _cadence(self) -> dict[str, Any]:
+        return {"log_every_n_steps": self.log_every_n_steps, "log_interval_s": self.log_interval_s}
 
     def _stop_run(self, exc: BaseException | None = None) -> None:
         """Close the run (the report is written and printed, the writer closed). Safe to call twice."""

@@ -99,6 +99,9 @@ class ResourceGuard(Callback):
             declares it (:func:`~resource_guard.planning.worst_case.worst_case_length`).
         check_shapes: check each batch's shape before it runs and stop with ``DoesNotFitError`` before
             one that would not fit (:mod:`~resource_guard.frontdoors.shape_guard`); ``False``: off.
+        log_every_n_steps / log_interval_s: how often the monitor logs (on the ``global_step`` axis): by
+            default every optimizer step for the first 20, then about every ``log_interval_s`` seconds
+            (2); an int ``n``: after step 1 and every ``n``-th step.
 
     Attributes:
         plan: the :class:`~resource_guard.Plan` this rank made (``None`` before ``fit`` and on a
@@ -129,13 +132,17 @@ class ResourceGuard(Callback):
         max_seq_len: int | None = None,
         worst_case_batch: Any = None,
         check_shapes: bool = True,
+        log_every_n_steps: int | None = None,
+        log_interval_s: float = 2.0,
     ) -> None:
         self.precision = check_settings(
             device=device, headroom=headroom, checkpointing=checkpointing, accumulation=accumulation,
             fail_fast=fail_fast, memory_history=memory_history, max_seq_len=max_seq_len,
             check_shapes=check_shapes, memory_limit=memory_limit, precision=precision,
             target_batch_size=target_batch_size, log_dir=log_dir, profile=profile, monitor=monitor,
+            log_every_n_steps=log_every_n_steps, log_interval_s=log_interval_s,
         )  # fmt: skip
+        self.log_every_n_steps, self.log_interval_s = log_every_n_steps, log_interval_s
         self.target_batch_size, self.device, self.headroom = target_batch_size, device, float(headroom)
         self.checkpointing, self.accumulation, self.memory_limit = checkpointing, accumulation, memory_limit
         self.fail_fast, self.profile, self.monitor, self.log_dir = fail_fast, profile, monitor, log_dir
@@ -309,7 +316,7 @@ class ResourceGuard(Callback):
         monitor = self._run.start(
             lambda: new_monitor(
                 made, trainer.strategy.root_device, log_dir, memory_history=self.memory_history,
-                log_every_n_steps=max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50)),
+                log_every_n_steps=self.log_every_n_steps, log_interval_s=self.log_interval_s,
                 profile=self.profile, writer=writer, rank=trainer.global_rank, world_size=trainer.world_size,
                 loader_info=ap.loader_info(trainer), flops_per_step=flops,
                 precision=precision if precision in PRECISIONS else None,
