@@ -140,6 +140,9 @@ def test_the_loop_waits_for_the_rest_of_the_drawing_at_the_end_of_the_start_up_s
     assert finished == [1]  # done at the end of step 1, the loop waiting for it there
     assert monitor._picture_wait_s > 0.1
     assert any("held the loop" in n for n in report.stats.notes), report.stats.notes
+    # the monitoring cost names the wait as its own part, apart from the log boundaries
+    cost = next(n for n in report.stats.notes if n.startswith("monitoring cost"))
+    assert f"memory picture at the end of step 1 {monitor._picture_wait_s * 1e3:.1f} ms" in cost, cost
     assert "memory picture" not in report.stats.close_parts
     assert (tmp_path / "memory.png").exists()
 

@@ -305,7 +305,10 @@ class MonitorOutputs:
             window_s = max(0.0, self._traced_s - self._traced_steps * step_s)
         sampler = self._sampler
         window = self._profiler_s
-        parts = [f"log boundaries and memory reads {(own_s - window) * 1e3:.1f} ms"]
+        picture = getattr(self, "_picture_wait_s", 0.0)  # the first step's wait for the memory picture
+        parts = [f"log boundaries and memory reads {(own_s - window - picture) * 1e3:.1f} ms"]
+        if picture:
+            parts.append(f"the wait for the memory picture at the end of step 1 {picture * 1e3:.1f} ms")
         if window or window_s:
             parts.append(
                 f"the profiler window (once per run): starting and stopping it {window * 1e3:.1f} ms, its "
