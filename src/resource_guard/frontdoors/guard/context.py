@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from resource_guard.errors import ConfigurationError, DoesNotFitError, warn_at_user
+from resource_guard.errors import ConfigurationError, warn_at_user
 from resource_guard.estimate.user_step import manual_update_stand_in
 from resource_guard.frontdoors.eval_preflight import EvalPreflights
 from resource_guard.frontdoors.guard.args import (
@@ -60,13 +60,14 @@ from resource_guard.frontdoors.guard.args import (
 )
 from resource_guard.frontdoors.guard.batches import MicroBatches, iterate_batches, to_device
 from resource_guard.frontdoors.guard.evaluation import EvalMode, preflight_eval
-from resource_guard.frontdoors.guard.observed import LoopWatch, loop_precision, outputs_as_kept, own_precision
-from resource_guard.frontdoors.guard.setup import build_monitor, flops_per_sample, make_plan, prepare_model
+from resource_guard.frontdoors.guard.first_batch import plan_first_batch
+from resource_guard.frontdoors.guard.observed import LoopWatch
+from resource_guard.frontdoors.guard.setup import build_monitor
 from resource_guard.frontdoors.guard.stepper import Stepper
 from resource_guard.frontdoors.guard.summary import run_summary
 from resource_guard.frontdoors.run import Run
 from resource_guard.step.precision import autocast_context, parse_precision
-from resource_guard.step.training import LossFn, StandInLoss, batch_size_of
+from resource_guard.step.training import LossFn
 
 if TYPE_CHECKING:
     from resource_guard.devices import DeviceSpec
@@ -241,45 +242,7 @@ class Guard:
     # the run's first batch: planned, applied, monitored (the parts: frontdoors/guard/setup.py)
 
     def _setup(self, batch: Any, loader: Any = None) -> None:
-        if self._recording:  # g.iterate / sample_batch= with several optimizers: the guard runs the step
-            from resource_guard.estimate.user_step import check_optimizers
-
-            check_optimizers(self.model, list(self.optimizers), self.loss_fn, "guard")
-        target = self._target if self._target is not None else batch_size_of(batch)
-        if target is None:
-            from resource_guard.frontdoors.guard.batch_dim import infer_batch_dim
-
-            said = infer_batch_dim(self.model)[1]
-            raise ConfigurationError(
-                "cannot tell the batch size of the sample batch (its tensors do not share dim 0)"
-                + (f"; the model says why: {said}" if said else "")
-                + ". `g.iterate` cuts batches along dim 0: give it batch-first batches, or leave a "
-                "sequence-first loop unchanged under `with guard(model, optimizer, batch_dim=1):`."
-            )
-        self._target = target
-        loss_fn = self.loss_fn if self.loss_fn is not None else StandInLoss()  # several: a UserStep
-        loss_fn = outputs_as_kept(loss_fn, self._keep_outputs)
-        kwargs, own = self._plan_kwargs, self._plan_kwargs["precision"] is None
-        if own:  # numerics by consent: the loop's own precision unless precision= says otherwise
-            kwargs = {**kwargs, "precision": loop_precision(self.model, "cpu")}
-        self.plan, self.device = make_plan(
-            self.model, self._planned_optimizers, batch, loss_fn, target, kwargs
-        )
-        if own:
-            self.plan = own_precision(self.plan, "the loop's own (its parameters' dtype)")
-        if self._eval_sample is not None:  # the evaluation to come, before any step
-            self._preflight_eval(self._eval_sample, later=True)
-        if self._monitor_on:  # model FLOPs, before checkpointing adds its recomputation
-            self._flops_per_sample = flops_per_sample(self.model, batch, loss_fn, self._planned_optimizers)
-        prepared = prepare_model(self.model, self.optimizers, self.plan, self.device)
-        self._ckpt, self._scaler = prepared.checkpointing, prepared.scaler
-        if self._worst[2]:  # the shape guard; the worst case known before any step (it may split)
-            self._start_shape_guard(batch, loss_fn, loader)
-        self._stepper = Stepper(self.optimizers, target, self._scaler, self._clip)
-        self._micro = MicroBatches(self._shapes, len(self.optimizers) > 1)
-        if self._monitor_on:
-            monitor = self._start_monitor(self._shapes)
-            self._stepper.clock = self._clock = monitor.phases if monitor is not None else None
+        plan_first_batch(self, batch, loader)
 
     def _start_monitor(self, shapes: Any) -> Any:
         """The run monitor of this plan: phases, the profiler window, the report at exit."""
@@ -291,27 +254,6 @@ class Guard:
             lambda: build_monitor(self._log_dir, made, device, profile, history, **cadence),
             made, shapes=shapes, optimizers=self.optimizers, notes=notes,
         )  # fmt: skip
-
-    def _start_shape_guard(
-        self, batch: Any, loss_fn: LossFn, loader: Any, *, model: nn.Module | None = None,
-        whole_batches: bool = False,
-    ) -> None:  # fmt: skip
-        """The shape guard of this plan (``model``: the module the plan traced, the guard's by
-        default; ``whole_batches``: an unchanged loop, whose batches are never split)."""
-        from resource_guard.frontdoors.shape_guard import start_shape_guard
-
-        assert self.plan is not None
-        try:
-            self._shapes, notes = start_shape_guard(
-                model if model is not None else self.model, self.optimizer, batch, loss_fn, self.plan,
-                *self._worst[:2], loader=loader, whole_batches=whole_batches,
-            )  # fmt: skip
-        except DoesNotFitError:
-            raise
-        except Exception as error:  # our check never stops the run
-            warn_at_user(f"resource_guard: the shape check is off: {error!r}")
-            notes = []
-        self.plan = self._with_reasons(*notes)
 
     def _with_reasons(self, *lines: str) -> Plan:
         assert self.plan is not None

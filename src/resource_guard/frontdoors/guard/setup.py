@@ -1,5 +1,5 @@
 """The guard's set-up: the plan from a batch, the model and optimizer state moved to the device,
-checkpointing and the GradScaler applied, and the run monitor started."""
+checkpointing and the GradScaler applied, and the run monitor (:func:`build_monitor`)."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from resource_guard.frontdoors.guard.first_batch import start_shapes
 from resource_guard.frontdoors.guard.observed import LoopWatch
 from resource_guard.frontdoors.guard.setup import flops_per_sample
 
@@ -75,7 +76,7 @@ class _Events:
             traced, batch = BatchFirstView(g.model, dim, batch), to_batch_first(batch, dim)
         if g._worst[2]:  # check_shapes: a later forward of a larger shape is refused before it runs
             # the watch's own hooks are quiet here; the loop runs each batch whole
-            g._start_shape_guard(batch, loss, None, model=traced, whole_batches=True)
+            start_shapes(g, batch, loss, None, model=traced, whole_batches=True)
             watch.shapes = g._shapes
         g.plan = g._with_reasons(UNCHANGED, *(() if g.optimizers else (_MANUAL,)))
         if g._monitor_on:  # FLOPs per sample of what the plan traced

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from resource_guard.errors import ConfigurationError, DoesNotFitError, warn_at_user
@@ -46,17 +45,16 @@ from resource_guard.frontdoors.lightning import shapes as lightning_shapes
 from resource_guard.frontdoors.lightning.internals import skip_inherited_step_hooks
 from resource_guard.frontdoors.lightning.plan import (
     MANUAL,
-    accumulation_of,
     check_settings,
     describe,
     log_plan,
     plan_locally,
     render_plan,
     total_batches,
+    trainer_monitor,
 )
-from resource_guard.frontdoors.run import Run, new_monitor
+from resource_guard.frontdoors.run import Run
 from resource_guard.observe.profiling import ProfileWindow
-from resource_guard.step.precision import PRECISIONS
 
 if TYPE_CHECKING:
     from resource_guard.planning.planner import Plan
@@ -298,30 +296,10 @@ class ResourceGuard(Callback):
         """Start the run monitor (every rank; only rank zero writes)."""
         if not self.monitor:
             return
-        log_dir = self.log_dir
-        if log_dir is None:  # `trainer.log_dir` is a collective under DDP: every rank reads it
-            log_dir = os.path.join(trainer.log_dir or trainer.default_root_dir, "resource_guard")
-        writer = None
-        if trainer.is_global_zero:
-            writer = next(
-                (lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None
-            )
-        made, d, precision = self.plan, self.decisions, str(trainer.precision)
-        flops = (  # a step is an optimizer step: its micro-batches' FLOPs
-            self._flops_per_sample * d.micro_batch_size * accumulation_of(trainer, pl_module)
-            if self._flops_per_sample and d is not None
-            else None
-        )
         self._global_step = trainer.global_step
         monitor = self._run.start(
-            lambda: new_monitor(
-                made, trainer.strategy.root_device, log_dir, memory_history=self.memory_history,
-                log_every_n_steps=self.log_every_n_steps, log_interval_s=self.log_interval_s,
-                profile=self.profile, writer=writer, rank=trainer.global_rank, world_size=trainer.world_size,
-                loader_info=ap.loader_info(trainer), flops_per_step=flops,
-                precision=precision if precision in PRECISIONS else None,
-            ),
-            made, shapes=self._shapes, optimizers=trainer.optimizers, total_steps=total_batches(trainer),
+            lambda: trainer_monitor(self, trainer, pl_module), self.plan, shapes=self._shapes,
+            optimizers=trainer.optimizers, total_steps=total_batches(trainer),
         )  # fmt: skip
         if monitor is not None and monitor.phases is not None:  # Lightning's boundaries (lightning/phases.py)
             from resource_guard.frontdoors.lightning.phases import LightningPhases

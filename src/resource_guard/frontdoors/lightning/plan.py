@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -36,6 +37,7 @@ __all__ = [
     "render_plan",
     "strategy_name",
     "total_batches",
+    "trainer_monitor",
 ]
 
 _CALL = "ResourceGuard"
@@ -240,3 +242,30 @@ def total_batches(trainer: pl.Trainer) -> int | None:
     if not math.isfinite(steps) or steps <= 0:
         return None
     return int(steps)
+
+
+def trainer_monitor(cb: Any, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """The run monitor of the callback ``cb``'s fit (not started; see
+    :func:`~resource_guard.frontdoors.run.new_monitor`): every rank runs one, rank zero writes, into the
+    Trainer's TensorBoard logger; a step is an optimizer step, its FLOPs its micro-batches'."""
+    from resource_guard.frontdoors.run import new_monitor
+    from resource_guard.step.precision import PRECISIONS
+
+    log_dir = cb.log_dir
+    if log_dir is None:  # `trainer.log_dir` is a collective under DDP: every rank reads it
+        log_dir = os.path.join(trainer.log_dir or trainer.default_root_dir, "resource_guard")
+    loggers = trainer.loggers if trainer.is_global_zero else []
+    writer = next((lg.experiment for lg in loggers if isinstance(lg, TensorBoardLogger)), None)
+    d, precision = cb.decisions, str(trainer.precision)
+    flops = (
+        cb._flops_per_sample * d.micro_batch_size * accumulation_of(trainer, pl_module)
+        if cb._flops_per_sample and d is not None
+        else None
+    )
+    return new_monitor(
+        cb.plan, trainer.strategy.root_device, log_dir, memory_history=cb.memory_history,
+        log_every_n_steps=cb.log_every_n_steps, log_interval_s=cb.log_interval_s, profile=cb.profile,
+        writer=writer, rank=trainer.global_rank, world_size=trainer.world_size,
+        loader_info=ap.loader_info(trainer), flops_per_step=flops,
+        precision=precision if precision in PRECISIONS else None,
+    )  # fmt: skip
