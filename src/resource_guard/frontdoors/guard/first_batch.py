@@ -26,24 +26,35 @@ def plan_first_batch(g: Any, batch: Any, loader: Any = None) -> None:
         from resource_guard.estimate.user_step import check_optimizers
 
         check_optimizers(g.model, list(g.optimizers), g.loss_fn, "guard")
-    target = g._target if g._target is not None else batch_size_of(batch)
-    if target is None:
-        from resource_guard.frontdoors.guard.batch_dim import infer_batch_dim
-
-        said = infer_batch_dim(g.model)[1]
-        raise ConfigurationError(
-            "cannot tell the batch size of the sample batch (its tensors do not share dim 0)"
-            + (f"; the model says why: {said}" if said else "")
-            + ". `g.iterate` cuts batches along dim 0: give it batch-first batches, or leave a "
-            "sequence-first loop unchanged under `with guard(model, optimizer, batch_dim=1):`."
-        )
-    g._target = target
     loss_fn = g.loss_fn if g.loss_fn is not None else StandInLoss()  # several: a UserStep
     loss_fn = outputs_as_kept(loss_fn, g._keep_outputs)
-    kwargs, own = g._plan_kwargs, g._plan_kwargs["precision"] is None
-    if own:  # numerics by consent: the loop's own precision unless precision= says otherwise
-        kwargs = {**kwargs, "precision": loop_precision(g.model, "cpu")}
-    g.plan, g.device = make_plan(g.model, g._planned_optimizers, batch, loss_fn, target, kwargs)
+    own = g._plan_kwargs["precision"] is None
+
+    def preflight() -> list[int]:
+        target = g._target if g._target is not None else batch_size_of(batch)
+        if target is None:
+            from resource_guard.frontdoors.guard.batch_dim import infer_batch_dim
+
+            said = infer_batch_dim(g.model)[1]
+            raise ConfigurationError(
+                "cannot tell the batch size of the sample batch (its tensors do not share dim 0)"
+                + (f"; the model says why: {said}" if said else "")
+                + ". `g.iterate` cuts batches along dim 0: give it batch-first batches, or leave a "
+                "sequence-first loop unchanged under `with guard(model, optimizer, batch_dim=1):`."
+            )
+        g._target = target
+        kwargs = g._plan_kwargs
+        if own:  # numerics by consent: the loop's own precision unless precision= says otherwise
+            kwargs = {**kwargs, "precision": loop_precision(g.model, "cpu")}
+        g.plan, g.device = make_plan(g.model, g._planned_optimizers, batch, loss_fn, target, kwargs)
+        return []
+
+    # every rank plans its own first batch; under torch.distributed the ranks then agree (one collective,
+    # frontdoors/run.py): a rank whose step does not fit stops every rank before step 0
+    agreed = g._run.preflight(preflight, 0)
+    if agreed.error is not None:
+        raise agreed.error
+    target = g._target
     if own:
         g.plan = own_precision(g.plan, "the loop's own (its parameters' dtype)")
     if g._eval_sample is not None:  # the evaluation to come, before any step

@@ -63,10 +63,19 @@ class _Events:
 
         g, watch = self.g, self.watch
         assert watch is not None
-        g.plan, g.device, loss, dim = plan_as_run(
-            g.model, g._planned_optimizers, args, kwargs, g.loss_fn, g._plan_kwargs, g._keep_outputs,
-            g._batch_dim,
-        )  # fmt: skip
+        made: list[Any] = []
+
+        def preflight() -> list[int]:
+            made[:] = plan_as_run(
+                g.model, g._planned_optimizers, args, kwargs, g.loss_fn, g._plan_kwargs, g._keep_outputs,
+                g._batch_dim,
+            )  # fmt: skip
+            return []
+
+        agreed = g._run.preflight(preflight, 0)  # under torch.distributed: every rank stops, or none
+        if agreed.error is not None:
+            raise agreed.error
+        g.plan, g.device, loss, dim = made
         watch.batch_dim = dim
         g._target = g.plan.target_batch_size
         batch, traced = forward_batch(args, kwargs), g.model
@@ -88,7 +97,16 @@ class _Events:
         from resource_guard.frontdoors.guard.observed import plan_recorded
 
         g = self.g
-        g.plan, g.device, step = plan_recorded(g.model, g.optimizers, recorder, g._plan_kwargs)
+        made: list[Any] = []
+
+        def preflight() -> list[int]:
+            made[:] = plan_recorded(g.model, g.optimizers, recorder, g._plan_kwargs)
+            return []
+
+        agreed = g._run.preflight(preflight, 0)  # under torch.distributed: every rank stops, or none
+        if agreed.error is not None:
+            raise agreed.error
+        g.plan, g.device, step = made
         g._target = g.plan.target_batch_size
         if g._monitor_on:
             from resource_guard.estimate.user_step import UserStep
