@@ -188,26 +188,18 @@ def new_monitor(
     """
     from resource_guard.observe.monitor import RunMonitor
 
-    on_cpu = device.type == "cpu"
-    if plan is None:
-        return RunMonitor(
-            log_dir,
-            device=device,
-            capacity_bytes=host_ram_bytes() if on_cpu else None,
-            phase_timing=True,
-            **settings,
-        )
-    return RunMonitor(
-        log_dir,
-        device=device,
-        estimate=plan.estimate,
-        capacity_bytes=host_ram_bytes() if on_cpu else plan.fit.capacity_bytes,
-        planned_capacity_bytes=plan.fit.capacity_bytes,
-        planned_fit=plan.fit,  # one memory story: the plan's capacity, usable line and predicted peak
-        device_spec=plan.device if plan.device.source == "detected" else None,
-        phase_timing=True,
-        **settings,
-    )
+    from_plan: dict[str, Any] = {}
+    if plan is not None:
+        from_plan = {
+            "estimate": plan.estimate,
+            "capacity_bytes": plan.fit.capacity_bytes,
+            "planned_capacity_bytes": plan.fit.capacity_bytes,
+            "planned_fit": plan.fit,  # one memory story: the plan's capacity, usable line and predicted peak
+            "device_spec": plan.device if plan.device.source == "detected" else None,
+        }
+    if device.type == "cpu":  # the process's RSS is held against the host's RAM, never a tensor cap
+        from_plan["capacity_bytes"] = host_ram_bytes()
+    return RunMonitor(log_dir, device=device, phase_timing=True, **from_plan, **settings)
 
 
 class RunEndedEarly(RuntimeError):
@@ -242,11 +234,6 @@ class Run:
         except Exception as failure:  # every rank must reach the agreement, also after an error
             row, error = [0] * width, failure
         return agree(row, error, collective, key=key)
-
-    @property
-    def clock(self) -> Any:
-        """The monitor's phase clock (``None`` without a monitor)."""
-        return self.monitor.phases if self.monitor is not None else None
 
     def start(
         self,
